@@ -1,0 +1,223 @@
+// Ampere-path forward kernel (FA2-style): one CTA computes one (query block, head, batch) tile.
+//
+// Data flow per CTA: Q block and the last visible K block are loaded with cp.async; the KV blocks
+// are then walked from last to first (so the masked diagonal blocks come first). In each step the V
+// load overlaps S = Q K^T (ldmatrix + mma.sync), masking and the online softmax; the next K load
+// overlaps O += P V, with P converted in registers. The epilogue normalizes O, stages it through
+// shared memory for 16-byte global stores and writes the natural-log LSE.
+// Synchronization: two __syncthreads per KV block, each after a cp.async wait — the first makes K
+// (and V's buffer) safe to reuse, the second makes V visible and K's buffer free.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "ampere/fwd_traits.h"
+#include "ampere/mma_utils.h"
+#include "common/fwd_params.h"
+#include "common/mask.h"
+#include "common/seq_info.h"
+#include "common/softmax.h"
+
+namespace flashtile::ampere {
+
+using namespace cute;
+
+// Writes zeros to a tile's output rows and -inf to its LSE (rows that see no key at all).
+template <class Traits>
+CUTE_DEVICE void write_empty_tile(FwdParams const& params, SeqInfo const& seq, int m_block, int bidh, int bidb) {
+  using Element = typename Traits::Element;
+  FtFwdParams const& p = params.abi;
+  Element* o_ptr = static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
+  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
+  int const row_begin = m_block * Traits::kBlockM;
+  int const rows = min(Traits::kBlockM, seq.seqlen_q_alloc - row_begin);
+  int const vecs_per_row = p.head_dim_v / 8;  // head_dim_v is a multiple of 8: 16-byte stores
+  for (int i = threadIdx.x; i < rows * vecs_per_row; i += Traits::kNThreads) {
+    int const r = i / vecs_per_row, c = i % vecs_per_row;
+    reinterpret_cast<uint4*>(o_ptr + (row_begin + r) * p.o_row_stride)[c] = make_uint4(0, 0, 0, 0);
+  }
+  for (int r = threadIdx.x; r < rows; r += Traits::kNThreads) { lse_ptr[row_begin + r] = -INFINITY; }
+}
+
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  FtFwdParams const& p = params.abi;
+
+  // Longest-first order under a band mask: later query blocks see more keys.
+  int const m_block = kIsBand ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  int const bidh = blockIdx.y;
+  int const bidb = blockIdx.z;
+  SeqInfo const seq(p, bidb);
+  if (m_block * kBlockM >= seq.seqlen_q_alloc) { return; }
+
+  int n_block_min, n_block_max;
+  kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_min, n_block_max);
+  if (m_block * kBlockM >= seq.seqlen_q || n_block_max <= n_block_min) {
+    write_empty_tile<Traits>(params, seq, m_block, bidh, bidb);
+    return;
+  }
+  int const bidh_k = bidh / params.h_h_k_ratio;
+
+  // Global tensors of this (batch, head).
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + seq.q_offset(p, bidb) + bidh * p.q_head_stride),
+                          make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k) + seq.k_offset(p, bidb) + bidh_k * p.k_head_stride),
+                          make_shape(seq.seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v) + seq.v_offset(p, bidb) + bidh_k * p.v_head_stride),
+                          make_shape(seq.seqlen_k, Int<kHeadDimV>{}), make_stride(p.v_row_stride, _1{}));
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
+                          make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));   // (N, D, n)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (N, Dv, n)
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
+
+  extern __shared__ char smem_[];
+  Element* smem = reinterpret_cast<Element*>(smem_);
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutO{});
+  Tensor sK = make_tensor(make_smem_ptr(smem + Traits::kSmemQO), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(sK.data() + cosize(typename Traits::SmemLayoutK{}), typename Traits::SmemLayoutV{});
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+  int const tidx = threadIdx.x;
+
+  // Global -> shared copies, with row/column predicates from identity tensors.
+  typename Traits::GmemTiledCopyQK gmem_copy_qk;
+  typename Traits::GmemTiledCopyV gmem_copy_v;
+  auto gmem_thr_qk = gmem_copy_qk.get_thread_slice(tidx);
+  auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_qk.partition_S(gQ);
+  Tensor tQsQ = gmem_thr_qk.partition_D(sQ);
+  Tensor tKgK = gmem_thr_qk.partition_S(gK);
+  Tensor tKsK = gmem_thr_qk.partition_D(sK);
+  Tensor tVgV = gmem_thr_v.partition_S(gV);
+  Tensor tVsV = gmem_thr_v.partition_D(sV);
+  Tensor tQcQ = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKcK = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  Tensor tQKp = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  Tensor tVp = make_tensor<bool>(make_shape(size<2>(tVsV)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(tQKp); ++k) { tQKp(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim; }
+  CUTE_UNROLL
+  for (int k = 0; k < size(tVp); ++k) { tVp(k) = get<1>(tVcV(0, 0, k)) < p.head_dim_v; }
+
+  // MMA partitions and shared -> register copies.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_v = smem_copy_v.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});
+  clear(acc_o);
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // Causal is the band (window_left, 0); window_left = -1 leaves it unbounded on the left.
+  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+  constexpr int kRowsPerThread = decltype(size<0>(rowcol(acc_o)))::value;
+  OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+
+  // Prologue: Q and the last visible K block.
+  int n_block = n_block_max - 1;
+  copy_tile(gmem_copy_qk, tQgQ, tQsQ, tQcQ, tQKp, seq.seqlen_q - m_block * kBlockM);
+  copy_tile(gmem_copy_qk, tKgK(_, _, _, n_block), tKsK, tKcK, tQKp, seq.seqlen_k - n_block * kBlockN);
+  cp_async_fence();
+
+  bool first = true;
+  for (; n_block >= n_block_min; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] visible; every thread is done with V[n+1]
+    copy_tile(gmem_copy_v, tVgV(_, _, _, n_block), tVsV, tVcV, tVp, seq.seqlen_k - n_block * kBlockN);
+    cp_async_fence();
+
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    if constexpr (kHasSoftcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.softcap_scale); }
+    }
+    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+      mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
+    }
+    Tensor scores = rowcol(acc_s);
+    Tensor out = rowcol(acc_o);
+    if (first) {
+      softmax.template update<true>(scores, out);
+    } else {
+      softmax.template update<false>(scores, out);
+    }
+    first = false;
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n] visible; every thread is done with K[n]
+    if (n_block > n_block_min) {
+      copy_tile(gmem_copy_qk, tKgK(_, _, _, n_block - 1), tKsK, tKcK, tQKp, seq.seqlen_k - (n_block - 1) * kBlockN);
+      cp_async_fence();
+    }
+    Tensor tOrP = convert_fragment<Element>(acc_s);
+    Tensor tOrP_a = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
+    gemm_rs(acc_o, tOrP_a, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+  }
+
+  // Epilogue: normalize, LSE, O through shared memory (Q's region: no thread reads sQ any more).
+  Tensor out = rowcol(acc_o);
+  Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
+  softmax.finalize(out, lse, params.scale_ln);
+
+  Tensor rO = convert_fragment<Element>(acc_o);
+  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_o = smem_copy_o.get_thread_slice(tidx);
+  Tensor taccOrO = smem_thr_o.retile_S(rO);
+  Tensor taccOsO = smem_thr_o.partition_D(sO);
+  copy(smem_copy_o, taccOrO, taccOsO);
+
+  // LSE: the lane holding column 0 of a row writes it; rows past seqused_q are empty.
+  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
+  Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{})));
+  if (get<1>(tOcO(0, 0)) == 0) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < size(lse); ++mi) {
+      int const row = m_block * kBlockM + get<0>(tOcO(mi, 0));
+      if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
+    }
+  }
+  __syncthreads();
+
+  typename Traits::GmemTiledCopyO gmem_copy_o;
+  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx);
+  Tensor tOsO = gmem_thr_o.partition_S(sO);
+  Tensor tOgO = gmem_thr_o.partition_D(gO);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(gmem_copy_o, tOsO, tOrO);
+  Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOrO); ++m) {
+    int const row = m_block * kBlockM + get<0>(tOcOg(0, m, 0));
+    if (row >= seq.seqlen_q_alloc) { continue; }
+    if (row >= seq.seqlen_q) { clear(tOrO(_, m, _)); }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tOrO); ++k) {
+      if (get<1>(tOcOg(0, m, k)) < p.head_dim_v) { copy(gmem_copy_o, tOrO(_, m, k), tOgO(_, m, k)); }
+    }
+  }
+}
+
+}  // namespace flashtile::ampere

@@ -1,0 +1,33 @@
+# nvcc flags, per-source gencode (hopper/ -> sm_90a, ampere/ -> sm_80 family and sm_90), ccache,
+# and a compile job pool sized by memory (nvcc on CuTe kernels takes 3-5 GB per job).
+set(FT_CUDA_FLAGS -O3 --use_fast_math --expt-relaxed-constexpr -DNDEBUG -Xcompiler=-fno-strict-aliasing)
+if(FLASHTILE_PTXAS_VERBOSE)
+  list(APPEND FT_CUDA_FLAGS -Xptxas=-v)
+endif()
+
+# Attach -gencode flags for each arch in `archs` (80, 86, 89, 90, 90a) to each file in `sources`.
+function(ft_set_gencode sources archs)
+  set(flags "")
+  foreach(a IN LISTS archs)
+    list(APPEND flags "-gencode=arch=compute_${a},code=sm_${a}")
+  endforeach()
+  if(sources)
+    set_source_files_properties(${sources} PROPERTIES COMPILE_OPTIONS "${flags}")
+  endif()
+endfunction()
+
+find_program(FT_CCACHE ccache)
+if(FT_CCACHE)
+  message(STATUS "ccache: ${FT_CCACHE}")
+  set(CMAKE_CUDA_COMPILER_LAUNCHER ${FT_CCACHE})
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${FT_CCACHE})
+endif()
+
+cmake_host_system_information(RESULT ft_mem_mib QUERY TOTAL_PHYSICAL_MEMORY)
+math(EXPR ft_jobs "${ft_mem_mib} / 4096")
+if(ft_jobs LESS 1)
+  set(ft_jobs 1)
+endif()
+set_property(GLOBAL APPEND PROPERTY JOB_POOLS ft_nvcc=${ft_jobs})
+set(CMAKE_JOB_POOL_COMPILE ft_nvcc)
+message(STATUS "compile job pool: ${ft_jobs} (${ft_mem_mib} MiB / 4 GiB per nvcc)")

@@ -1,0 +1,91 @@
+// Implementation of the exported C ABI (common/flash_api.h): argument sanity checks that protect
+// the kernels, path selection (Hopper on sm_90 when built, else Ampere), dispatch and error text.
+// Python validates user input first; the checks here guard against a mismatched caller.
+#include "common/flash_api.h"
+
+#include <cstdio>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "common/dispatch.h"
+#include "common/fwd_params.h"
+#include "common/tile_policy.h"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(int code, std::string msg) {
+  g_last_error = std::move(msg);
+  return code;
+}
+
+char const* dtype_name(int dtype) {
+  switch (dtype) {
+    case kFtFloat16: return "fp16";
+    case kFtBFloat16: return "bf16";
+    case kFtFloat8E4M3: return "e4m3";
+    default: return "?";
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+FT_EXPORT int ft_abi_version(void) { return FT_ABI_VERSION; }
+
+FT_EXPORT char const* ft_build_config(void) { return flashtile::build_config_json(); }
+
+FT_EXPORT char const* ft_last_error(void) { return g_last_error.c_str(); }
+
+FT_EXPORT int ft_mha_fwd(FtFwdParams const* params, void* stream) {
+  using namespace flashtile;
+  if (params == nullptr) { return fail(kFtInvalidArgument, "params is NULL"); }
+  FtFwdParams const& p = *params;
+  if (!p.q || !p.k || !p.v || !p.out || !p.lse) { return fail(kFtInvalidArgument, "a tensor pointer is NULL"); }
+  if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0) {
+    return fail(kFtInvalidArgument, "num_heads must be a positive multiple of num_heads_k");
+  }
+  if (p.head_dim % 8 != 0 || p.head_dim_v % 8 != 0) {
+    return fail(kFtInvalidArgument, "head dims must be multiples of 8");
+  }
+  int const hdim = head_dim_bucket(p.head_dim);
+  int const hdim_v = head_dim_bucket(p.head_dim_v);
+  if (hdim == 0 || hdim_v == 0) { return fail(kFtInvalidArgument, "head dim > 256 is not supported"); }
+  if (p.batch == 0 || p.seqlen_q == 0) { return kFtOk; }
+
+  if (cudaError_t e = cudaSetDevice(p.device)) {
+    return fail(kFtCudaError, std::string("cudaSetDevice: ") + cudaGetErrorString(e));
+  }
+  int major = 0;
+  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device)) {
+    return fail(kFtCudaError, std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(e));
+  }
+  if (major < 8) { return fail(kFtUnsupportedDevice, "flashtile needs compute capability 8.0 or newer"); }
+
+  FwdParams const fp = make_fwd_params(p);
+  FwdKernelEntry const* entry = nullptr;
+  int path = p.path;
+  if (path == kFtPathAuto) {
+    if (major == 9) { entry = find_fwd_kernel(kFtPathHopper, p.dtype, hdim, hdim_v, fp.is_band, p.softcap > 0.f); }
+    path = kFtPathAmpere;
+  }
+  if (path == kFtPathHopper && major != 9) {
+    return fail(kFtUnsupportedDevice, "the Hopper path needs an sm_90 GPU");
+  }
+  if (entry == nullptr) { entry = find_fwd_kernel(path, p.dtype, hdim, hdim_v, fp.is_band, p.softcap > 0.f); }
+  if (entry == nullptr) {
+    char buf[256];
+    std::snprintf(buf, sizeof(buf), "no forward kernel built for path=%s dtype=%s hdim=%d hdim_v=%d mask=%s softcap=%d",
+                  path == kFtPathHopper ? "hopper" : "ampere", dtype_name(p.dtype), hdim, hdim_v,
+                  fp.is_band ? "band" : "none", int(p.softcap > 0.f));
+    return fail(kFtNotBuilt, buf);
+  }
+  LaunchStatus const s = entry->launch(fp, static_cast<cudaStream_t>(stream));
+  if (!s.ok()) { return fail(s.code, std::string(entry->name) + ": " + s.message); }
+  return kFtOk;
+}
+
+}  // extern "C"

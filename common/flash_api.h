@@ -1,0 +1,89 @@
+// flashtile's exported C ABI: the only symbols the shared library exposes.
+//
+// Contract: plain C types only, so the library carries no PyTorch or Python headers and one build
+// serves every PyTorch/Python version (loaded with ctypes). Tensors are passed as raw device pointers
+// plus element strides; the caller (python/flashtile/_lib.py) has validated shapes, dtypes and
+// alignment. Every entry point returns 0 on success or a nonzero FtStatus; ft_last_error() then holds
+// a message (thread-local). FT_ABI_VERSION changes whenever a struct below changes layout.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FT_EXPORT __declspec(dllexport)
+#else
+#define FT_EXPORT __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FT_ABI_VERSION 1
+
+typedef enum FtStatus {
+  kFtOk = 0,
+  kFtInvalidArgument = 1,
+  kFtNotBuilt = 2,        // no kernel instance for this (path, dtype, hdim, mask, features)
+  kFtUnsupportedDevice = 3,
+  kFtCudaError = 4,
+} FtStatus;
+
+typedef enum FtDtype { kFtFloat16 = 0, kFtBFloat16 = 1, kFtFloat8E4M3 = 2 } FtDtype;
+
+// Kernel family. kFtPathAuto picks Hopper on sm_90 when built, else the Ampere path.
+typedef enum FtPath { kFtPathAuto = 0, kFtPathAmpere = 1, kFtPathHopper = 2 } FtPath;
+
+// Forward pass arguments. Layouts (element strides, last dim contiguous):
+//   padded: q (b, sq, h, d), k/v (b, sk, hk, d), out (b, sq, h, dv), lse (b, h, sq)
+//   varlen (cu_seqlens_q != NULL): q (total_q, h, d), out (total_q, h, dv), lse (h, total_q);
+//          batch strides are ignored for tensors whose cu_seqlens is set.
+typedef struct FtFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;  // lse row stride is 1
+
+  const int32_t* cu_seqlens_q;  // (b + 1) or NULL
+  const int32_t* cu_seqlens_k;  // (b + 1) or NULL
+  const int32_t* seqused_q;     // (b) or NULL: rows actually used per batch
+  const int32_t* seqused_k;     // (b) or NULL
+
+  int32_t batch;
+  int32_t seqlen_q;  // padded: per-batch length; varlen: max_seqlen_q
+  int32_t seqlen_k;
+  int32_t num_heads;
+  int32_t num_heads_k;
+  int32_t head_dim;    // actual d (multiple of 8); kernels handle d <= their bucket
+  int32_t head_dim_v;
+
+  float softmax_scale;
+  float softcap;  // 0 = off
+  // Band mask: key j is visible to query i iff  i + sk - sq - window_left <= j <= i + sk - sq + window_right
+  // (bottom-right aligned). Negative = unbounded on that side. causal = (-1, 0).
+  int32_t window_left;
+  int32_t window_right;
+  int32_t is_causal;
+
+  int32_t dtype;  // FtDtype
+  int32_t path;   // FtPath
+  int32_t device;  // CUDA device ordinal of every tensor above
+} FtFwdParams;
+
+FT_EXPORT int ft_abi_version(void);
+// JSON describing the kernels compiled into this library (same content as build_config.json).
+FT_EXPORT const char* ft_build_config(void);
+FT_EXPORT const char* ft_last_error(void);
+// Enqueues the forward pass on `stream` (a cudaStream_t; NULL = legacy default stream).
+FT_EXPORT int ft_mha_fwd(const FtFwdParams* params, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

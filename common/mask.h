@@ -1,0 +1,47 @@
+// Band / sequence-length masking of one score tile held in registers.
+//
+// Contract: `tSrS` is a thread's accumulator fragment and `tScS` the same partition of an identity
+// tensor over the (block_m, block_n) tile, so tScS(i) is the (row, col) of tSrS(i) inside the tile.
+// Masked scores become -inf; the softmax turns them into exact zeros.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+namespace flashtile {
+
+struct BandMask {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right;  // negative = unbounded; causal has window_right == 0
+
+  // Whether KV block n_block, seen from query block m_block, has any element the mask removes.
+  CUTE_DEVICE bool block_needs_mask(bool is_band, int m_block, int n_block, int block_m,
+                                    int block_n) const {
+    int const col0 = n_block * block_n;
+    if (col0 + block_n > seqlen_k) { return true; }
+    if (!is_band) { return false; }
+    int const offset = seqlen_k - seqlen_q;
+    int const row0 = m_block * block_m;
+    if (window_right >= 0 && col0 + block_n - 1 > row0 + offset + window_right) { return true; }
+    if (window_left >= 0 && col0 < row0 + block_m - 1 + offset - window_left) { return true; }
+    return false;
+  }
+
+  template <bool kIsBand, class EngineS, class LayoutS, class EngineC, class LayoutC>
+  CUTE_DEVICE void apply(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
+                         int row0, int col0) const {
+    int const offset = seqlen_k - seqlen_q;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(tSrS); ++i) {
+      int const row = row0 + cute::get<0>(tScS(i));
+      int const col = col0 + cute::get<1>(tScS(i));
+      bool masked = col >= seqlen_k;
+      if constexpr (kIsBand) {
+        masked |= window_right >= 0 && col > row + offset + window_right;
+        masked |= window_left >= 0 && col < row + offset - window_left;
+      }
+      if (masked) { tSrS(i) = -INFINITY; }
+    }
+  }
+};
+
+}  // namespace flashtile

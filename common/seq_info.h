@@ -1,0 +1,78 @@
+// Per-(batch) sequence geometry shared by all forward kernels: where a batch element's rows start in
+// the (possibly packed) tensors, how many rows are allocated and how many are used, and which KV
+// blocks a query block can see under the band mask.
+#pragma once
+
+#include <cute/config.hpp>
+
+#include "common/fwd_params.h"
+
+namespace flashtile {
+
+struct SeqInfo {
+  int64_t q_row0;      // first row of this batch element in q/out (varlen: cu_seqlens_q[b])
+  int64_t k_row0;
+  int seqlen_q_alloc;  // rows of out that belong to this element (and must be written)
+  int seqlen_q;        // rows that attend (seqused_q overrides)
+  int seqlen_k;        // keys that are attended (seqused_k overrides)
+
+  CUTE_DEVICE SeqInfo(FtFwdParams const& p, int bidb) {
+    if (p.cu_seqlens_q) {
+      q_row0 = p.cu_seqlens_q[bidb];
+      seqlen_q_alloc = p.cu_seqlens_q[bidb + 1] - p.cu_seqlens_q[bidb];
+    } else {
+      q_row0 = 0;
+      seqlen_q_alloc = p.seqlen_q;
+    }
+    if (p.cu_seqlens_k) {
+      k_row0 = p.cu_seqlens_k[bidb];
+      seqlen_k = p.cu_seqlens_k[bidb + 1] - p.cu_seqlens_k[bidb];
+    } else {
+      k_row0 = 0;
+      seqlen_k = p.seqlen_k;
+    }
+    seqlen_q = p.seqused_q ? min(p.seqused_q[bidb], seqlen_q_alloc) : seqlen_q_alloc;
+    if (p.seqused_k) { seqlen_k = p.seqused_k[bidb]; }
+  }
+
+  // Element offsets of this batch element; padded layouts use the batch stride, packed ones the row.
+  CUTE_DEVICE int64_t q_offset(FtFwdParams const& p, int bidb) const {
+    return p.cu_seqlens_q ? q_row0 * p.q_row_stride : int64_t(bidb) * p.q_batch_stride;
+  }
+  CUTE_DEVICE int64_t o_offset(FtFwdParams const& p, int bidb) const {
+    return p.cu_seqlens_q ? q_row0 * p.o_row_stride : int64_t(bidb) * p.o_batch_stride;
+  }
+  CUTE_DEVICE int64_t k_offset(FtFwdParams const& p, int bidb) const {
+    return p.cu_seqlens_k ? k_row0 * p.k_row_stride : int64_t(bidb) * p.k_batch_stride;
+  }
+  CUTE_DEVICE int64_t v_offset(FtFwdParams const& p, int bidb) const {
+    return p.cu_seqlens_k ? k_row0 * p.v_row_stride : int64_t(bidb) * p.v_batch_stride;
+  }
+  CUTE_DEVICE int64_t lse_offset(FtFwdParams const& p, int bidb) const {
+    return p.cu_seqlens_q ? q_row0 : int64_t(bidb) * p.lse_batch_stride;
+  }
+};
+
+// KV block range [n_block_min, n_block_max) visible to query block m_block under the bottom-right
+// aligned band  i + sk - sq - wl <= j <= i + sk - sq + wr  (negative w = unbounded).
+template <bool kIsBand>
+CUTE_DEVICE void kv_block_range(FtFwdParams const& p, SeqInfo const& s, int m_block, int block_m,
+                                int block_n, int& n_block_min, int& n_block_max) {
+  n_block_min = 0;
+  n_block_max = (s.seqlen_k + block_n - 1) / block_n;
+  if constexpr (kIsBand) {
+    int const offset = s.seqlen_k - s.seqlen_q;
+    int const wr = p.is_causal ? 0 : p.window_right;
+    if (wr >= 0) {
+      // Last visible column of the tile's last row, plus one.
+      int const col_end = min(s.seqlen_q, (m_block + 1) * block_m) + offset + wr;
+      n_block_max = min(n_block_max, col_end <= 0 ? 0 : (col_end + block_n - 1) / block_n);
+    }
+    if (p.window_left >= 0) {
+      int const col_begin = m_block * block_m + offset - p.window_left;
+      n_block_min = col_begin <= 0 ? 0 : col_begin / block_n;
+    }
+  }
+}
+
+}  // namespace flashtile

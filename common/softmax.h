@@ -1,0 +1,88 @@
+// Online softmax over score tiles held in registers (arch-neutral).
+//
+// Contract: tensors are in (row, col) form, a thread's rows being complete only after reducing over
+// the kQuadWidth lanes that share them (mma.sync/wgmma accumulators spread a row over 4 lanes).
+// Scores are raw (unscaled); `scale_log2` maps them into the exp2 domain. A row whose scores are all
+// -inf keeps max = -inf, sum = 0, and finalizes to output 0 and LSE -inf.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+namespace flashtile {
+
+template <int kQuadWidth = 4>
+CUTE_DEVICE float quad_allreduce_max(float x) {
+  CUTE_UNROLL
+  for (int offset = kQuadWidth / 2; offset > 0; offset /= 2) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+  }
+  return x;
+}
+
+template <int kQuadWidth = 4>
+CUTE_DEVICE float quad_allreduce_sum(float x) {
+  CUTE_UNROLL
+  for (int offset = kQuadWidth / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffff, x, offset);
+  }
+  return x;
+}
+
+template <int kNRows>
+struct OnlineSoftmax {
+  cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>> row_max, row_sum;
+  float const scale_log2;
+
+  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    cute::fill(row_max, -INFINITY);
+    cute::fill(row_sum, 0.f);
+  }
+
+  // Turns scores S (rows x cols) into unnormalized probabilities in place and rescales the output
+  // accumulator O (rows x d) when a row's max moves. Row sums stay per-thread partial until finalize.
+  template <bool kIsFirst, class TensorS, class TensorO>
+  CUTE_DEVICE void update(TensorS& S, TensorO& O) {
+    static_assert(decltype(cute::size<0>(S))::value == kNRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float m = row_max(mi);
+      CUTE_UNROLL
+      for (int ni = 0; ni < cute::size<1>(S); ++ni) { m = fmaxf(m, S(mi, ni)); }
+      m = quad_allreduce_max(m);
+      // A fully masked row so far has m = -inf; subtracting 0 instead keeps exp2 at exactly 0.
+      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      if constexpr (!kIsFirst) {
+        float const correction = exp2f(row_max(mi) * scale_log2 - m_scaled);
+        row_sum(mi) *= correction;
+        CUTE_UNROLL
+        for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= correction; }
+      }
+      row_max(mi) = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < cute::size<1>(S); ++ni) {
+        S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
+        sum += S(mi, ni);
+      }
+      row_sum(mi) += sum;
+    }
+  }
+
+  // Normalizes O and returns the natural-log LSE per row (-inf for rows that saw no key).
+  template <class TensorO, class TensorL>
+  CUTE_DEVICE void finalize(TensorO& O, TensorL& lse, float scale_ln) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float const sum = quad_allreduce_sum(row_sum(mi));
+      bool const empty = sum == 0.f || sum != sum;
+      float const inv = empty ? 0.f : 1.f / sum;
+      lse(mi) = empty ? -INFINITY : row_max(mi) * scale_ln + logf(sum);
+      CUTE_UNROLL
+      for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= inv; }
+    }
+  }
+};
+
+}  // namespace flashtile

@@ -1,0 +1,33 @@
+// Tile policy: the one place that chooses block sizes, warps and pipeline depth per kernel family.
+// Both the kernels (as template arguments) and the host launchers/heuristics call these constexpr
+// functions, so the two can never disagree.
+#pragma once
+
+namespace flashtile {
+
+struct FwdTile {
+  int block_m;
+  int block_n;
+  int num_warps;
+};
+
+// Ampere-path forward (mma.sync + cp.async); also runs on sm_90 when that path is forced.
+// Shared memory: (block_m * d + 2 * block_n * d) * 2 bytes, e.g. hdim 128: 64 KB, hdim 256: 128 KB.
+constexpr FwdTile ampere_fwd_tile(int head_dim) {
+  return head_dim <= 64    ? FwdTile{128, 128, 4}
+         : head_dim <= 128 ? FwdTile{128, 64, 4}
+                           : FwdTile{128, 64, 8};
+}
+
+// Head-dim buckets that kernels are instantiated for; any d <= 256 that is a multiple of 8 runs on
+// the smallest bucket >= d.
+constexpr int kHeadDimBuckets[] = {64, 96, 128, 192, 256};
+
+constexpr int head_dim_bucket(int d) {
+  for (int b : kHeadDimBuckets) {
+    if (d <= b) { return b; }
+  }
+  return 0;
+}
+
+}  // namespace flashtile
