@@ -13,6 +13,8 @@
 
 #include "ampere/fwd_traits.h"
 #include "ampere/mma_utils.h"
+#include "common/empty_tile.h"
+#include "common/fragment.h"
 #include "common/fwd_params.h"
 #include "common/mask.h"
 #include "common/seq_info.h"
@@ -21,23 +23,6 @@
 namespace flashtile::ampere {
 
 using namespace cute;
-
-// Writes zeros to a tile's output rows and -inf to its LSE (rows that see no key at all).
-template <class Traits>
-CUTE_DEVICE void write_empty_tile(FwdParams const& params, SeqInfo const& seq, int m_block, int bidh, int bidb) {
-  using Element = typename Traits::Element;
-  FtFwdParams const& p = params.abi;
-  Element* o_ptr = static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
-  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-  int const row_begin = m_block * Traits::kBlockM;
-  int const rows = min(Traits::kBlockM, seq.seqlen_q_alloc - row_begin);
-  int const vecs_per_row = p.head_dim_v / 8;  // head_dim_v is a multiple of 8: 16-byte stores
-  for (int i = threadIdx.x; i < rows * vecs_per_row; i += Traits::kNThreads) {
-    int const r = i / vecs_per_row, c = i % vecs_per_row;
-    reinterpret_cast<uint4*>(o_ptr + (row_begin + r) * p.o_row_stride)[c] = make_uint4(0, 0, 0, 0);
-  }
-  for (int r = threadIdx.x; r < rows; r += Traits::kNThreads) { lse_ptr[row_begin + r] = -INFINITY; }
-}
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_constant__ FwdParams const params) {
@@ -58,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   int n_block_min, n_block_max;
   kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_min, n_block_max);
   if (m_block * kBlockM >= seq.seqlen_q || n_block_max <= n_block_min) {
-    write_empty_tile<Traits>(params, seq, m_block, bidh, bidb);
+    write_empty_tile<Element, kBlockM, Traits::kNThreads>(params, seq, m_block, bidh, bidb);
     return;
   }
   int const bidh_k = bidh / params.h_h_k_ratio;
@@ -160,9 +145,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     Tensor scores = rowcol(acc_s);
     Tensor out = rowcol(acc_o);
     if (first) {
-      softmax.template update<true>(scores, out);
+      softmax.template online<true>(scores);
     } else {
-      softmax.template update<false>(scores, out);
+      softmax.template online<false>(scores);
+      softmax.rescale_o(out);
     }
     first = false;
 

@@ -64,14 +64,6 @@ CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout const& acc) {
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
-template <class To, class Engine, class Layout>
-CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& t) {
-  Tensor out = make_tensor<To>(t.layout());
-  CUTE_UNROLL
-  for (int i = 0; i < size(t); ++i) { out(i) = static_cast<To>(t(i)); }
-  return out;
-}
-
 // Global <-> shared tile copy with row and column predicates; elements outside the tensor are zeroed
 // so that padded K/V rows cannot inject NaN through 0 * garbage.
 template <bool kClearOob = true, class TiledCopy, class TensorS, class TensorD, class TensorC, class TensorP>

@@ -5,12 +5,17 @@ if(FLASHTILE_PTXAS_VERBOSE)
   list(APPEND FT_CUDA_FLAGS -Xptxas=-v)
 endif()
 
-# Attach -gencode flags for each arch in `archs` (80, 86, 89, 90, 90a) to each file in `sources`.
+# Attach -gencode flags for each arch in `archs` (80, 86, 89, 90, 90a) to each file in `sources`; with
+# FLASHTILE_EMBED_PTX the lowest arch's PTX is embedded too, so newer GPUs can JIT it.
 function(ft_set_gencode sources archs)
   set(flags "")
   foreach(a IN LISTS archs)
     list(APPEND flags "-gencode=arch=compute_${a},code=sm_${a}")
   endforeach()
+  if(FLASHTILE_EMBED_PTX AND archs)
+    list(GET archs 0 lowest)
+    list(APPEND flags "-gencode=arch=compute_${lowest},code=compute_${lowest}")
+  endif()
   if(sources)
     set_source_files_properties(${sources} PROPERTIES COMPILE_OPTIONS "${flags}")
   endif()

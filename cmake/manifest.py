@@ -73,7 +73,7 @@ def enumerate_kernels(archs: str, dtypes: str, hdims: str, features: str) -> lis
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}; known: {FEATURES}")
     kernels = []
-    for path in ("ampere",):  # the Hopper family joins here once its kernels exist
+    for path in ("ampere", "hopper"):
         sass = path_archs(path, arch_list)
         if not sass:
             continue

@@ -59,6 +59,8 @@ typedef struct FtFwdParams {
   int32_t batch;
   int32_t seqlen_q;  // padded: per-batch length; varlen: max_seqlen_q
   int32_t seqlen_k;
+  int32_t rows_q;    // rows in q's sequence dimension (padded: seqlen_q; varlen: total_q); TMA bounds
+  int32_t rows_k;
   int32_t num_heads;
   int32_t num_heads_k;
   int32_t head_dim;    // actual d (multiple of 8); kernels handle d <= their bucket

@@ -32,7 +32,8 @@ CUTE_DEVICE float quad_allreduce_sum(float x) {
 
 template <int kNRows>
 struct OnlineSoftmax {
-  cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>> row_max, row_sum;
+  using RowTensor = cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>>;
+  RowTensor row_max, row_sum, correction;
   float const scale_log2;
 
   CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
@@ -40,10 +41,11 @@ struct OnlineSoftmax {
     cute::fill(row_sum, 0.f);
   }
 
-  // Turns scores S (rows x cols) into unnormalized probabilities in place and rescales the output
-  // accumulator O (rows x d) when a row's max moves. Row sums stay per-thread partial until finalize.
-  template <bool kIsFirst, class TensorS, class TensorO>
-  CUTE_DEVICE void update(TensorS& S, TensorO& O) {
+  // Turns scores S (rows x cols) into unnormalized probabilities in place, updating the running max
+  // and (per-thread partial) sums. The factor by which O must be rescaled is kept in `correction`
+  // so the caller can apply it once the GEMM still writing O has completed (rescale_o).
+  template <bool kIsFirst, class TensorS>
+  CUTE_DEVICE void online(TensorS& S) {
     static_assert(decltype(cute::size<0>(S))::value == kNRows);
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
@@ -53,12 +55,7 @@ struct OnlineSoftmax {
       m = quad_allreduce_max(m);
       // A fully masked row so far has m = -inf; subtracting 0 instead keeps exp2 at exactly 0.
       float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      if constexpr (!kIsFirst) {
-        float const correction = exp2f(row_max(mi) * scale_log2 - m_scaled);
-        row_sum(mi) *= correction;
-        CUTE_UNROLL
-        for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= correction; }
-      }
+      correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
       row_max(mi) = m;
       float sum = 0.f;
       CUTE_UNROLL
@@ -66,7 +63,16 @@ struct OnlineSoftmax {
         S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
         sum += S(mi, ni);
       }
-      row_sum(mi) += sum;
+      row_sum(mi) = kIsFirst ? sum : row_sum(mi) * correction(mi) + sum;
+    }
+  }
+
+  template <class TensorO>
+  CUTE_DEVICE void rescale_o(TensorO& O) const {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      CUTE_UNROLL
+      for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= correction(mi); }
     }
   }
 

@@ -19,6 +19,24 @@ constexpr FwdTile ampere_fwd_tile(int head_dim) {
                            : FwdTile{128, 64, 8};
 }
 
+// Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
+// pipeline depth; setmaxnreg budgets (producer + consumers <= 512 registers per thread slot).
+// Shared memory: Q/O (block_m * d) + stages * block_n * (d + d_v), 16-bit elements.
+struct HopperFwdTile {
+  int block_m;
+  int block_n;
+  int stages;
+  int producer_regs;
+  int consumer_regs;
+};
+
+constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
+  int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
+  return d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240}
+         : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240}
+                    : HopperFwdTile{128, 64, 2, 24, 240};
+}
+
 // Head-dim buckets that kernels are instantiated for; any d <= 256 that is a multiple of 8 runs on
 // the smallest bucket >= d.
 constexpr int kHeadDimBuckets[] = {64, 96, 128, 192, 256};

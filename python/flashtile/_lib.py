@@ -38,6 +38,7 @@ class FtFwdParams(ctypes.Structure):
         ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
         ("seqused_q", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
         ("batch", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+        ("rows_q", ctypes.c_int32), ("rows_k", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_heads_k", ctypes.c_int32),
         ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
         ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),

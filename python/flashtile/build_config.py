@@ -5,8 +5,6 @@ that names the request and lists what was built, before any kernel runs.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from . import _lib
 
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
@@ -16,10 +14,17 @@ class KernelNotBuiltError(NotImplementedError):
     """The requested kernel configuration is not part of this build."""
 
 
-@lru_cache(maxsize=1)
+_cache: dict = {}  # "config" -> the installed config; request tuples -> matching kernel names
+
+
 def build_config() -> dict:
     """The installed build configuration (archs, dtypes, head dims, features and the kernel list)."""
-    return _lib.installed_build_config()
+    if "config" not in _cache:
+        _cache["config"] = _lib.installed_build_config()
+    return _cache["config"]
+
+
+build_config.cache_clear = _cache.clear  # also drops cached kernel lookups
 
 
 def head_dim_bucket(d: int) -> int:
@@ -51,7 +56,11 @@ def find_kernels(*, op: str, dtype: str, head_dim: int, head_dim_v: int, band: b
 
 
 def require_kernel(*, op: str, dtype: str, head_dim: int, head_dim_v: int, band: bool, softcap: bool,
-                   path: str = "auto") -> list[dict]:
+                   path: str = "auto") -> tuple:
+    """Names of the matching kernels (cached: this runs on every call), or KernelNotBuiltError."""
+    key = (op, dtype, head_dim, head_dim_v, band, softcap, path)
+    if key in _cache:
+        return _cache[key]
     found = find_kernels(op=op, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, band=band,
                          softcap=softcap, path=path)
     if not found:
@@ -62,4 +71,5 @@ def require_kernel(*, op: str, dtype: str, head_dim: int, head_dim_v: int, band:
             f"flashtile was not built with a kernel for {want}. This build (kernel set "
             f"'{cfg.get('kernel_set')}', archs {cfg.get('archs')}) has: {_describe(cfg)}. Rebuild with the "
             "FLASHTILE_DTYPES / FLASHTILE_HDIMS / FLASHTILE_FEATURES / FLASHTILE_ARCHS options (see README).")
-    return found
+    _cache[key] = tuple(k["name"] for k in found)
+    return _cache[key]

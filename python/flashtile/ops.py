@@ -68,6 +68,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     p.cu_seqlens_q, p.cu_seqlens_k = _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)
     p.seqused_q, p.seqused_k = _ptr(seqused_q), _ptr(seqused_k)
     p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
+    p.rows_q = q.shape[0] if varlen else q.shape[1]
+    p.rows_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
     p.num_heads, p.num_heads_k = q.shape[-2], k.shape[-2]
     p.head_dim, p.head_dim_v = q.shape[-1], v.shape[-1]
     p.softmax_scale, p.softcap = softmax_scale, softcap

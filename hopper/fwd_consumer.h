@@ -1,0 +1,156 @@
+// Consumer-warpgroup mainloop of the Hopper forward kernel: walks the KV blocks of one query tile,
+// last block first, and accumulates O in registers.
+//
+// Two schedules (FwdTraits::kIntraWGOverlap):
+//   serial:  S_j = Q K_j^T; wait; softmax(S_j); O += P_j V_j; wait.
+//   overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back, so the tensor cores run
+//            the PV GEMM while the warpgroup waits for S_j; the softmax of S_j then overlaps nothing
+//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs.
+// Ping-pong (FwdTraits::kPingPong, two consumer warpgroups): before issuing its GEMMs a warpgroup
+// waits on its own named barrier, and after issuing them it arrives on the other's, so the GEMMs of
+// one warpgroup run while the other computes its softmax. Warpgroup 1 is released first by an
+// arrival of warpgroup 2; warpgroup 2 skips its final arrival, so every barrier phase completes.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/softmax.h"
+#include "hopper/named_barriers.h"
+#include "hopper/wgmma_utils.h"
+
+namespace flashtile::hopper {
+
+using namespace cute;
+
+template <class Traits>
+struct PingPong {
+  int warp_group;  // 1-based consumer warpgroup index
+
+  CUTE_DEVICE void start() const {
+    if constexpr (Traits::kPingPong) {
+      if (warp_group == 2) { arrive_other(1); }
+    }
+  }
+  CUTE_DEVICE void wait_turn() const {
+    if constexpr (Traits::kPingPong) {
+      cutlass::arch::NamedBarrier::sync(256, int(FwdNamedBarrier::kWarpGroup1) + warp_group - 1);
+    }
+  }
+  CUTE_DEVICE void pass_turn(bool last) const {
+    if constexpr (Traits::kPingPong) {
+      if (!(last && warp_group == 2)) { arrive_other(warp_group == 1 ? 2 : 1); }
+    }
+  }
+  CUTE_DEVICE static void arrive_other(int other) {
+    cutlass::arch::NamedBarrier::arrive(256, int(FwdNamedBarrier::kWarpGroup1) + other - 1);
+  }
+};
+
+// Scores of one block: softcap, then the band / sequence-end mask where the block needs it.
+template <class Traits, bool kIsBand, bool kHasSoftcap, class TensorS, class TensorC>
+CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask const& mask, float softcap_scale,
+                                int m_block, int n_block) {
+  if constexpr (kHasSoftcap) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * softcap_scale); }
+  }
+  if (mask.block_needs_mask(kIsBand, m_block, n_block, Traits::kBlockM, Traits::kBlockN)) {
+    mask.template apply<kIsBand>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
+  }
+}
+
+template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
+          class TensorK, class TensorV, class TensorO, class TensorC, class Softmax>
+CUTE_DEVICE void consumer_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
+                                   TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV, TensorO& tOrO,
+                                   TensorC const& tScS, BandMask const& mask, Softmax& softmax,
+                                   float softcap_scale, int m_block, int n_block_min, int n_block_max,
+                                   int warp_group) {
+  using Element = typename Traits::Element;
+  typename Traits::TiledMmaQK tiled_mma_qk;
+  typename Traits::TiledMmaPV tiled_mma_pv;
+  PingPong<Traits> const turn{warp_group};
+  auto new_scores = [&] { return partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{})); };
+  Tensor out = rowcol(tOrO);
+  turn.start();
+
+  if constexpr (!Traits::kIntraWGOverlap) {
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      Tensor tSrS = new_scores();
+      bool const first = n_block == n_block_max - 1;
+      turn.wait_turn();
+      pipeline_k.consumer_wait(read_state);
+      wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
+      turn.pass_turn(n_block == n_block_min);
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(read_state);
+      prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
+      Tensor scores = rowcol(tSrS);
+      if (first) {
+        softmax.template online<true>(scores);
+      } else {
+        softmax.template online<false>(scores);
+        softmax.rescale_o(out);
+      }
+      Tensor tOrP = convert_fragment<Element>(tSrS);
+      pipeline_v.consumer_wait(read_state);
+      wg_gemm<false, 0>(tiled_mma_pv, make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout())),
+                        tOrV(_, _, _, read_state.index()), tOrO);
+      pipeline_v.consumer_release(read_state);
+      ++read_state;
+    }
+    return;
+  } else {
+    // First block: S only.
+    int n_block = n_block_max - 1;
+    Tensor tSrS = new_scores();
+    turn.wait_turn();
+    pipeline_k.consumer_wait(read_state);
+    wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
+    turn.pass_turn(false);
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(read_state);
+    prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
+    softmax.template online<true>(rowcol(tSrS));
+    Tensor tOrP = convert_fragment<Element>(tSrS);
+    Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
+    PipelineState v_state = read_state;
+    ++read_state;
+
+    // Steady state: S_j and the previous block's PV in flight together.
+    for (--n_block; n_block >= n_block_min; --n_block) {
+      Tensor tSrS = new_scores();
+      turn.wait_turn();
+      pipeline_k.consumer_wait(read_state);
+      wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
+      pipeline_v.consumer_wait(v_state);
+      wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+      turn.pass_turn(false);
+      warpgroup_wait<1>();  // S_j done; PV may still run
+      pipeline_k.consumer_release(read_state);
+      prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
+      softmax.template online<false>(rowcol(tSrS));
+      warpgroup_wait<0>();  // PV done: O and P may be overwritten
+      pipeline_v.consumer_release(v_state);
+      softmax.rescale_o(out);
+      Tensor tOrPn = convert_fragment<Element>(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tOrP); ++i) { tOrP(i) = tOrPn(i); }
+      v_state = read_state;
+      ++read_state;
+    }
+
+    // Last PV.
+    turn.wait_turn();
+    pipeline_v.consumer_wait(v_state);
+    wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+    turn.pass_turn(true);
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(v_state);
+  }
+}
+
+}  // namespace flashtile::hopper

@@ -1,0 +1,49 @@
+// Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V (rows, d, heads, batch),
+// dynamic shared memory opt-in and the grid. Host only; instantiated once per manifest entry.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/launch_status.h"
+#include "hopper/fwd_kernel.h"
+
+namespace flashtile::hopper {
+
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+  using KP = FwdKernelParams<Traits>;
+  FtFwdParams const& p = params.abi;
+  auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  if (LaunchStatus s = check_smem_fits(p.device, kSmem); !s.ok()) { return s; }
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
+    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
+  }
+
+  // Packed (varlen) tensors: one "batch" of rows_* rows; the kernel offsets by cu_seqlens.
+  int const batch_q = p.cu_seqlens_q ? 1 : p.batch;
+  int const batch_k = p.cu_seqlens_k ? 1 : p.batch;
+  auto gmem = [](void const* ptr, ShapeQKV shape, int64_t row, int64_t head, int64_t batch) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_layout(shape, make_stride(row, _1{}, head, batch)));
+  };
+  KP kp;
+  kp.fwd = params;
+  kp.shape_q = ShapeQKV{p.rows_q, p.head_dim, p.num_heads, batch_q};
+  kp.shape_k = ShapeQKV{p.rows_k, p.head_dim, p.num_heads_k, batch_k};
+  kp.shape_v = ShapeQKV{p.rows_k, p.head_dim_v, p.num_heads_k, batch_k};
+  kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, kp.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
+                           typename Traits::SmemLayoutQ{}, select<0, 2>(typename Traits::TileShapeQK{}), _1{});
+  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, kp.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+                           take<0, 2>(typename Traits::SmemLayoutK{}), select<1, 2>(typename Traits::TileShapeQK{}), _1{});
+  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                           take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}), _1{});
+
+  int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  dim3 const grid(num_m_blocks, p.num_heads, p.batch);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
+  return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
+}
+
+}  // namespace flashtile::hopper

@@ -1,0 +1,91 @@
+// Compile-time configuration of the Hopper forward kernel: tile shape (from the tile policy),
+// warpgroup roles, WGMMA tiled MMAs (S = Q K^T from shared memory; O += P V with P in registers and
+// V read MN-major, no transpose), GMMA-swizzled shared-memory layouts, the K/V pipelines and the
+// shared-storage struct.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/tile_policy.h"
+
+namespace flashtile::hopper {
+
+using namespace cute;
+
+// GMMA K-major swizzle atom for rows of kCols 16-bit elements.
+template <class T, int kCols>
+using SmemAtomKMajor = std::conditional_t<
+    kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<T>,
+    std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<T>, GMMA::Layout_K_SW32_Atom<T>>>;
+
+template <class Element_, int kHeadDim_, int kHeadDimV_>
+struct FwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr HopperFwdTile kTile = hopper_fwd_tile(kHeadDim, kHeadDimV);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kNMmaWarpGroups = kBlockM / 64;  // each consumer warpgroup owns 64 query rows
+  static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup
+  static constexpr int kProducerRegs = kTile.producer_regs;
+  static constexpr int kConsumerRegs = kTile.consumer_regs;
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
+  using AtomLayoutMma = Layout<Shape<Int<kNMmaWarpGroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMma{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutMma{}));
+
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
+  // V seen as the (d_v, block_n) B operand of O += P V: the same bytes, MN-major.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // O staging for 16-byte global stores.
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  static constexpr int kGmemElemsPerVec = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = (kHeadDimV % 64 == 0 ? 64 : 32) / kGmemElemsPerVec;
+  using GmemTiledCopyO = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+      Layout<Shape<Int<kNMmaThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, Int<kGmemElemsPerVec>>>{}));
+
+  using MainloopPipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename MainloopPipeline::PipelineState;
+
+  struct SharedStorage {
+    // O is staged over Q: each consumer warpgroup reads only its own 64 rows of Q and writes only its
+    // own rows of O, and the two layouts place a row at the same bytes, so they never overlap in time.
+    union {
+      alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
+      alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutO>> smem_o;
+    };
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
+    alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
+};
+
+}  // namespace flashtile::hopper
