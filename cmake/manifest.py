@@ -33,6 +33,16 @@ KERNEL_SETS = {
 }
 
 
+def abi_version() -> int:
+    """FT_ABI_VERSION from common/flash_api.h (the build config records the ABI it was built with)."""
+    header = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common", "flash_api.h")
+    with open(header) as f:
+        for line in f:
+            if line.startswith("#define FT_ABI_VERSION"):
+                return int(line.split()[2])
+    raise RuntimeError(f"FT_ABI_VERSION not found in {header}")
+
+
 def _split(s: str) -> list[str]:
     return [x.strip() for x in s.replace(",", ";").split(";") if x.strip()]
 
@@ -144,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hdims", default="")
     ap.add_argument("--features", default="", help="empty = preset; 'none' = no optional features")
     ap.add_argument("--version", default="0.0.0")
-    ap.add_argument("--abi-version", type=int, default=1)
+    ap.add_argument("--abi-version", type=int, default=abi_version())
     ap.add_argument("--cuda-version", default="")
     ap.add_argument("--cutlass-version", default="")
     args = ap.parse_args(argv)

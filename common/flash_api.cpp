@@ -36,6 +36,8 @@ extern "C" {
 
 FT_EXPORT int ft_abi_version(void) { return FT_ABI_VERSION; }
 
+FT_EXPORT int ft_fwd_params_size(void) { return int(sizeof(FtFwdParams)); }
+
 FT_EXPORT char const* ft_build_config(void) { return flashtile::build_config_json(); }
 
 FT_EXPORT char const* ft_last_error(void) { return g_last_error.c_str(); }

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 1
+#define FT_ABI_VERSION 2
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -80,6 +80,8 @@ typedef struct FtFwdParams {
 } FtFwdParams;
 
 FT_EXPORT int ft_abi_version(void);
+// sizeof(FtFwdParams) as compiled, so a caller can detect a layout mismatch at load time.
+FT_EXPORT int ft_fwd_params_size(void);
 // JSON describing the kernels compiled into this library (same content as build_config.json).
 FT_EXPORT const char* ft_build_config(void);
 FT_EXPORT const char* ft_last_error(void);

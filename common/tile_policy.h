@@ -28,13 +28,26 @@ struct HopperFwdTile {
   int stages;
   int producer_regs;
   int consumer_regs;
+  bool intra_wg_overlap;  // issue QK^T of block j with PV of block j+1
+  bool pingpong;          // alternate the two consumer warpgroups' GEMMs via named barriers
 };
+
+// Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
+// 0 serial, 1 intra-warpgroup overlap, 2 overlap + ping-pong, 3 serial + ping-pong; -1 = policy.
+#ifndef FLASHTILE_HOPPER_SCHEDULE
+#define FLASHTILE_HOPPER_SCHEDULE -1
+#endif
 
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  return d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240}
-         : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240}
-                    : HopperFwdTile{128, 64, 2, 24, 240};
+  HopperFwdTile t = d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true}
+                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, true, true}
+                             : HopperFwdTile{128, 64, 2, 24, 240, true, true};
+  if (FLASHTILE_HOPPER_SCHEDULE >= 0) {
+    t.intra_wg_overlap = FLASHTILE_HOPPER_SCHEDULE == 1 || FLASHTILE_HOPPER_SCHEDULE == 2;
+    t.pingpong = FLASHTILE_HOPPER_SCHEDULE >= 2;
+  }
+  return t;
 }
 
 // Head-dim buckets that kernels are instantiated for; any d <= 256 that is a multiple of 8 runs on

@@ -114,7 +114,8 @@ CUTE_DEVICE void consumer_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, P
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
-    softmax.template online<true>(rowcol(tSrS));
+    Tensor scores = rowcol(tSrS);
+    softmax.template online<true>(scores);
     Tensor tOrP = convert_fragment<Element>(tSrS);
     Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
     PipelineState v_state = read_state;
@@ -132,7 +133,8 @@ CUTE_DEVICE void consumer_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, P
       warpgroup_wait<1>();  // S_j done; PV may still run
       pipeline_k.consumer_release(read_state);
       prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
-      softmax.template online<false>(rowcol(tSrS));
+      Tensor scores = rowcol(tSrS);
+      softmax.template online<false>(scores);
       warpgroup_wait<0>();  // PV done: O and P may be overwritten
       pipeline_v.consumer_release(v_state);
       softmax.rescale_o(out);

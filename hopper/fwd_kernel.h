@@ -5,7 +5,8 @@
 //                (one block each per step) into kStages-deep mbarrier pipelines, last block first.
 //   warpgroups 1..kNMmaWarpGroups  consumers: setmaxnreg up; each owns 64 query rows and runs
 //                S = Q K^T (WGMMA, both operands in shared memory), mask + online softmax in
-//                registers, O += P V (WGMMA, P from registers, V read MN-major).
+//                registers, O += P V (WGMMA, P from registers, V read MN-major); the schedule
+//                (intra-warpgroup overlap, ping-pong) lives in hopper/fwd_consumer.h.
 // Pipelines (cutlass::PipelineTmaAsync): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one K or V block); consumer arrival count kNMmaThreads (every consumer thread
 // releases a stage after its WGMMA on it has completed). Q has its own transaction barrier.
@@ -24,6 +25,7 @@
 #include "common/mask.h"
 #include "common/seq_info.h"
 #include "common/softmax.h"
+#include "hopper/fwd_consumer.h"
 #include "hopper/fwd_traits.h"
 #include "hopper/named_barriers.h"
 #include "hopper/wgmma_utils.h"
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   int const thread_idx = int(threadIdx.x) - 128;
-  typename Traits::TiledMmaQK tiled_mma_qk;
+  typename Traits::TiledMmaQK tiled_mma_qk;  // partitioning only; the mainloop owns the MMA state
   typename Traits::TiledMmaPV tiled_mma_pv;
   auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
   auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
@@ -160,35 +162,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   ss.barrier_q.wait(0);
   PipelineState read_state;
-  bool first = true;
-  for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
-    pipeline_k.consumer_wait(read_state);
-    wg_gemm</*kZeroInit=*/true, /*kWait=*/0>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-    pipeline_k.consumer_release(read_state);
-    if constexpr (kHasSoftcap) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * params.softcap_scale); }
-    }
-    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      mask.apply<kIsBand>(tSrS, tScS, m_block * kBlockM, n_block * kBlockN);
-    }
-    Tensor scores = rowcol(tSrS);
-    Tensor out = rowcol(tOrO);
-    if (first) {
-      softmax.template online<true>(scores);
-    } else {
-      softmax.template online<false>(scores);
-      softmax.rescale_o(out);
-    }
-    first = false;
-    Tensor tOrP = convert_fragment<Element>(tSrS);
-    Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-    pipeline_v.consumer_wait(read_state);
-    wg_gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrPa, tOrV(_, _, _, read_state.index()), tOrO);
-    pipeline_v.consumer_release(read_state);
-    ++read_state;
-  }
+  consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ, tSrK, tOrV, tOrO, tScS,
+                                                  mask, softmax, params.softcap_scale, m_block, n_block_min,
+                                                  n_block_max, warp_group_idx);
 
   // ------------------------------------------------------------------ epilogue
   Tensor out = rowcol(tOrO);

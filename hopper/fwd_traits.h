@@ -35,6 +35,8 @@ struct FwdTraits {
   static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
+  static constexpr bool kIntraWGOverlap = kTile.intra_wg_overlap;
+  static constexpr bool kPingPong = kTile.pingpong && kNMmaWarpGroups == 2;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;

@@ -11,7 +11,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 1  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 2  # must equal FT_ABI_VERSION in common/flash_api.h
 
 # FtStatus
 OK, INVALID_ARGUMENT, NOT_BUILT, UNSUPPORTED_DEVICE, CUDA_ERROR = 0, 1, 2, 3, 4
@@ -81,6 +81,7 @@ def _load() -> ctypes.CDLL:
     except OSError as e:
         raise LibraryNotAvailableError(f"flashtile's compiled library at {path} could not be loaded: {e}") from e
     lib.ft_abi_version.restype = ctypes.c_int
+    lib.ft_fwd_params_size.restype = ctypes.c_int
     lib.ft_build_config.restype = ctypes.c_char_p
     lib.ft_last_error.restype = ctypes.c_char_p
     lib.ft_mha_fwd.restype = ctypes.c_int
@@ -90,6 +91,10 @@ def _load() -> ctypes.CDLL:
         raise LibraryNotAvailableError(
             f"flashtile library at {path} has ABI version {abi}, this Python package expects {ABI_VERSION}: "
             "reinstall flashtile so the two come from the same build.")
+    if lib.ft_fwd_params_size() != ctypes.sizeof(FtFwdParams):
+        raise LibraryNotAvailableError(
+            f"flashtile library at {path} has FtFwdParams of {lib.ft_fwd_params_size()} bytes, this package "
+            f"expects {ctypes.sizeof(FtFwdParams)}: reinstall flashtile so the two come from the same build.")
     embedded = json.loads(lib.ft_build_config().decode())
     installed = installed_build_config()
     if embedded != installed:

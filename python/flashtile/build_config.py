@@ -34,7 +34,8 @@ def head_dim_bucket(d: int) -> int:
     return 0
 
 
-def _describe(cfg: dict) -> str:
+def describe(cfg: dict) -> str:
+    """One line listing the kernels of a build config."""
     groups: dict[tuple, set] = {}
     for k in cfg["kernels"]:
         key = (k["op"], k["path"], k["dtype"], f"{k['head_dim']}x{k['head_dim_v']}")
@@ -69,7 +70,7 @@ def require_kernel(*, op: str, dtype: str, head_dim: int, head_dim_v: int, band:
                 f"head_dim_v={head_dim_v} mask={'band' if band else 'none'} softcap={softcap}")
         raise KernelNotBuiltError(
             f"flashtile was not built with a kernel for {want}. This build (kernel set "
-            f"'{cfg.get('kernel_set')}', archs {cfg.get('archs')}) has: {_describe(cfg)}. Rebuild with the "
+            f"'{cfg.get('kernel_set')}', archs {cfg.get('archs')}) has: {describe(cfg)}. Rebuild with the "
             "FLASHTILE_DTYPES / FLASHTILE_HDIMS / FLASHTILE_FEATURES / FLASHTILE_ARCHS options (see README).")
     _cache[key] = tuple(k["name"] for k in found)
     return _cache[key]

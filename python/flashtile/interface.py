@@ -83,7 +83,9 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     path_id = _resolve_path(path)
     V.check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              seqused_q=seqused_q, seqused_k=seqused_k))
-    require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
+    if not torch.compiler.is_compiling():
+        # Reads build_config.json: not traceable; under torch.compile the op itself reports a missing kernel.
+        require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
     return _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, int(max_seqlen_q),
                    int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id)
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _lib
+from . import _lib, _validate
 
 _DTYPES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16}
 
@@ -46,6 +46,13 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if k.numel() == 0 or max_seqlen_k == 0:
+        # No key anywhere: every row is empty (and TMA cannot describe a zero-row tensor).
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_data_alignment(name, t)
 
     p = _lib.FtFwdParams()
     p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -81,8 +88,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rc != _lib.OK:
         msg = _lib.last_error()
         if rc == _lib.NOT_BUILT:
-            from .build_config import KernelNotBuiltError
-            raise KernelNotBuiltError(f"flashtile: {msg}")
+            from .build_config import KernelNotBuiltError, build_config, describe
+            raise KernelNotBuiltError(f"flashtile: {msg}. This build has: {describe(build_config())}")
         raise KernelError(f"flashtile forward failed (status {rc}): {msg}")
     return out, lse
 

@@ -77,6 +77,7 @@ def _attn_block(q, k, v):
     return flash_attn_func(q * 2, k, v, causal=True) + 1
 
 
+@pytest.mark.timeout(300)
 def test_torch_compile_fullgraph_matches_eager(seed):
     dtype, d, dv = _pick()
     torch._dynamo.reset()
@@ -95,6 +96,7 @@ def test_torch_compile_fullgraph_matches_eager(seed):
     torch._dynamo.reset()
 
 
+@pytest.mark.timeout(300)
 def test_torch_compile_fullgraph_before_any_eager_call(seed):
     """Tracing must not depend on state that only an eager call sets up (e.g. the cached build config)."""
     dtype, d, dv = _pick()
