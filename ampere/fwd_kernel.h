@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   int n_block_min, n_block_max;
   kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_min, n_block_max);
   if (m_block * kBlockM >= seq.seqlen_q || n_block_max <= n_block_min) {
-    write_empty_tile<Element, kBlockM, Traits::kNThreads>(params, seq, m_block, bidh, bidb);
+    write_empty_tile<Element, kBlockM>(params, seq, m_block, bidh, bidb, threadIdx.x, Traits::kNThreads);
     return;
   }
   int const bidh_k = bidh / params.h_h_k_ratio;

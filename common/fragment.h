@@ -2,15 +2,22 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
 
 namespace flashtile {
 
-// Element-wise conversion of a register fragment (e.g. fp32 accumulators -> bf16 operands).
+// Conversion of a whole register fragment (e.g. fp32 accumulators -> bf16 operands) through
+// cutlass::NumericArrayConverter, which emits paired conversions (cvt.rn.bf16x2.f32) instead of one
+// per element.
 template <class To, class Engine, class Layout>
 CUTE_DEVICE auto convert_fragment(cute::Tensor<Engine, Layout> const& t) {
+  using From = typename Engine::value_type;
+  constexpr int kN = decltype(cute::size(t))::value;
   cute::Tensor out = cute::make_tensor<To>(t.layout());
-  CUTE_UNROLL
-  for (int i = 0; i < cute::size(t); ++i) { out(i) = static_cast<To>(t(i)); }
+  cutlass::NumericArrayConverter<To, From, kN> convert;
+  *reinterpret_cast<cutlass::Array<To, kN>*>(out.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, kN> const*>(t.data()));
   return out;
 }
 

@@ -1,8 +1,10 @@
 // Hopper forward kernel (sm_90a): warp-specialized TMA producer + WGMMA consumers.
 //
-// Roles (one CTA per (query block, head, batch)):
-//   warpgroup 0  producer: setmaxnreg down; one thread issues TMA loads of Q (once) and of K and V
-//                (one block each per step) into kStages-deep mbarrier pipelines, last block first.
+// Roles (persistent: one CTA per SM walks the tiles of hopper/tile_scheduler.h):
+//   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
+//                and of its K and V blocks (last block first) into kStages-deep mbarrier pipelines.
+//                The next tile's first K block is loaded before waiting (kQueryEmpty) for the
+//                consumers to finish reading the previous tile's Q/O region.
 //   warpgroups 1..kNMmaWarpGroups  consumers: setmaxnreg up; each owns 64 query rows and runs
 //                S = Q K^T (WGMMA, both operands in shared memory), mask + online softmax in
 //                registers, O += P V (WGMMA, P from registers, V read MN-major); the schedule
@@ -11,7 +13,9 @@
 // transaction bytes of one K or V block); consumer arrival count kNMmaThreads (every consumer thread
 // releases a stage after its WGMMA on it has completed). Q has its own transaction barrier.
 // Epilogue: consumers stage O in shared memory over Q (see FwdTraits::SharedStorage), meet at the
-// kEpilogue named barrier and write O with 16-byte predicated stores; the LSE goes out directly.
+// kEpilogue named barrier, read O back, release the Q/O region to the producer (kQueryEmpty, counted
+// kNMmaThreads + 32: the producer warp syncs once per active tile after its first) and write O with
+// 16-byte predicated stores; the LSE goes out directly. Q's barrier phase flips once per active tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,6 +32,7 @@
 #include "hopper/fwd_consumer.h"
 #include "hopper/fwd_traits.h"
 #include "hopper/named_barriers.h"
+#include "hopper/tile_scheduler.h"
 #include "hopper/wgmma_utils.h"
 
 namespace flashtile::hopper {
@@ -51,11 +56,32 @@ struct FwdKernelParams {
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(typename Traits::SmemLayoutV{}),
                                       select<2, 1>(typename Traits::TileShapePV{}), _1{}));
   FwdParams fwd;
+  int num_m_blocks;
   ShapeQKV shape_q, shape_k, shape_v;
   TmaQ tma_q;
   TmaK tma_k;
   TmaV tma_v;
 };
+
+// Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf).
+struct TileWork {
+  TileCoord coord;
+  SeqInfo seq;
+  int n_block_min, n_block_max;
+  bool in_range, active;
+};
+
+template <class Traits, bool kIsBand>
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileScheduler<kIsBand> const& sched, int idx) {
+  TileCoord const c = sched.tile(idx);
+  SeqInfo const seq(params.abi, c.bidb);
+  TileWork w{c, seq, 0, 0, c.m_block * Traits::kBlockM < seq.seqlen_q_alloc, false};
+  if (w.in_range) {
+    kv_block_range<kIsBand>(params.abi, seq, c.m_block, Traits::kBlockM, Traits::kBlockN, w.n_block_min, w.n_block_max);
+    w.active = c.m_block * Traits::kBlockM < seq.seqlen_q && w.n_block_max > w.n_block_min;
+  }
+  return w;
+}
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -64,22 +90,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using MainloopPipeline = typename Traits::MainloopPipeline;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDimV = Traits::kHeadDimV;
+  constexpr int kQueryEmptyThreads = Traits::kNMmaThreads + 32;  // consumers + the producer warp
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
-
-  int const m_block = kIsBand ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  int const bidh = blockIdx.y;
-  int const bidb = blockIdx.z;
-  SeqInfo const seq(p, bidb);
-  if (m_block * kBlockM >= seq.seqlen_q_alloc) { return; }
-  int n_block_min, n_block_max;
-  kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_min, n_block_max);
-  if (m_block * kBlockM >= seq.seqlen_q || n_block_max <= n_block_min) {
-    write_empty_tile<Element, kBlockM, Traits::kNThreads>(params, seq, m_block, bidh, bidb);
-    return;
-  }
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch};
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -111,34 +126,59 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();
 
   if (warp_group_idx == 0) {
-    // ---------------------------------------------------------------- producer
+    // ---------------------------------------------------------------- producer (warp 0)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp_idx == 0 && lane_predicate) {
-      int const bidh_k = bidh / params.h_h_k_ratio;
-      Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
-      Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
-      Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
-      Tensor gQ = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, bidh, p.cu_seqlens_q ? 0 : bidb)),
-                             select<0, 2>(typename Traits::TileShapeQK{}), make_coord(m_block, _0{}));
-      Tensor gK = local_tile(domain_offset(make_coord(seq.k_row0, _0{}), mK(_, _, bidh_k, p.cu_seqlens_k ? 0 : bidb)),
+    if (warp_idx != 0) { return; }
+    Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
+    Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
+    Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
+    PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+    bool q_in_use = false;  // consumers still hold Q/O of an earlier tile
+    for (int idx = blockIdx.x; idx < sched.num_tiles(); idx += gridDim.x) {
+      TileWork const w = make_tile_work<Traits>(params, sched, idx);
+      if (!w.active) { continue; }
+      int const bidh_k = w.coord.bidh / params.h_h_k_ratio;
+      Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
+                             select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
+      Tensor gK = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mK(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<1, 2>(typename Traits::TileShapeQK{}), make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : bidb)),
+      Tensor gV = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<2, 1>(typename Traits::TileShapePV{}), make_coord(_, _0{}));
       auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKgK, tKsK] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-      ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-      copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(ss.barrier_q), 0), tQgQ, tQsQ);
-      PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-      for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-        pipeline_k.producer_acquire(write_state);
+      // The first K block goes out before waiting for the consumers to release Q/O.
+      int n_block = w.n_block_max - 1;
+      pipeline_k.producer_acquire(write_state);
+      if (lane_predicate) {
         copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block), tKsK(_, write_state.index()));
-        pipeline_v.producer_acquire(write_state);
+      }
+      if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
+      q_in_use = true;
+      if (lane_predicate) {
+        ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+        copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(ss.barrier_q), 0), tQgQ, tQsQ);
+      }
+      pipeline_v.producer_acquire(write_state);
+      if (lane_predicate) {
         copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block), tVsV(_, write_state.index()));
+      }
+      ++write_state;
+      for (--n_block; n_block >= w.n_block_min; --n_block) {
+        pipeline_k.producer_acquire(write_state);
+        if (lane_predicate) {
+          copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block), tKsK(_, write_state.index()));
+        }
+        pipeline_v.producer_acquire(write_state);
+        if (lane_predicate) {
+          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block), tVsV(_, write_state.index()));
+        }
         ++write_state;
       }
     }
+    // Matches the consumers' release of the last tile's Q/O.
+    if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
     return;
   }
 
@@ -152,58 +192,71 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
   Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);
-  Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
-  clear(tOrO);
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
-
-  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
-  constexpr int kRowsPerThread = decltype(size<0>(rowcol(tOrO)))::value;
-  OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
-
-  ss.barrier_q.wait(0);
-  PipelineState read_state;
-  consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ, tSrK, tOrV, tOrO, tScS,
-                                                  mask, softmax, params.softcap_scale, m_block, n_block_min,
-                                                  n_block_max, warp_group_idx);
-
-  // ------------------------------------------------------------------ epilogue
-  Tensor out = rowcol(tOrO);
-  Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
-  softmax.finalize(out, lse, params.scale_ln);
-  Tensor rO = convert_fragment<Element>(tOrO);
+  Tensor tOcO = rowcol(thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
+  constexpr int kRowsPerThread = decltype(size<0>(tOcO))::value;
   auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
   auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
-  copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
-
-  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-  Tensor tOcO = rowcol(thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
-  if (get<1>(tOcO(0, 0)) == 0) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRowsPerThread; ++mi) {
-      int const row = m_block * kBlockM + get<0>(tOcO(mi, 0));
-      if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
-    }
-  }
-  cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
-
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
-                          make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   typename Traits::GmemTiledCopyO gmem_copy_o;
   auto gmem_thr_o = gmem_copy_o.get_thread_slice(thread_idx);
   Tensor tOsO = gmem_thr_o.partition_S(sO);
-  Tensor tOgO = gmem_thr_o.partition_D(gO);
-  Tensor tOrOg = make_tensor<Element>(shape(tOgO));
-  copy(gmem_copy_o, tOsO, tOrOg);
   Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOrOg); ++m) {
-    int const row = m_block * kBlockM + get<0>(tOcOg(0, m, 0));
-    if (row >= seq.seqlen_q_alloc) { continue; }
-    if (row >= seq.seqlen_q) { clear(tOrOg(_, m, _)); }
+
+  PipelineState read_state;
+  int q_phase = 0;
+  for (int idx = blockIdx.x; idx < sched.num_tiles(); idx += gridDim.x) {
+    TileWork const w = make_tile_work<Traits>(params, sched, idx);
+    int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
+    if (!w.in_range) { continue; }
+    if (!w.active) {
+      write_empty_tile<Element, kBlockM>(params, w.seq, m_block, bidh, bidb, thread_idx, Traits::kNMmaThreads);
+      continue;
+    }
+    SeqInfo const& seq = w.seq;
+    Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+    clear(tOrO);
+    BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+    OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+
+    ss.barrier_q.wait(q_phase);
+    q_phase ^= 1;
+    consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ, tSrK, tOrV, tOrO, tScS,
+                                                    mask, softmax, params.softcap_scale, m_block, w.n_block_min,
+                                                    w.n_block_max, warp_group_idx);
+
+    // -------------------------------------------------------------- epilogue
+    Tensor out = rowcol(tOrO);
+    Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
+    softmax.finalize(out, lse, params.scale_ln);
+    Tensor rO = convert_fragment<Element>(tOrO);
+    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+
+    float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
+    if (get<1>(tOcO(0, 0)) == 0) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRowsPerThread; ++mi) {
+        int const row = m_block * kBlockM + get<0>(tOcO(mi, 0));
+        if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
+
+    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
+                            make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
+    Tensor tOgO = gmem_thr_o.partition_D(local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
+    Tensor tOrOg = make_tensor<Element>(shape(tOgO));
+    copy(gmem_copy_o, tOsO, tOrOg);
+    // Q/O may now be overwritten by the next tile's Q.
+    cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOrOg); ++k) {
-      if (get<1>(tOcOg(0, m, k)) < p.head_dim_v) { copy(gmem_copy_o, tOrOg(_, m, k), tOgO(_, m, k)); }
+    for (int m = 0; m < size<1>(tOrOg); ++m) {
+      int const row = m_block * kBlockM + get<0>(tOcOg(0, m, 0));
+      if (row >= seq.seqlen_q_alloc) { continue; }
+      if (row >= seq.seqlen_q) { clear(tOrOg(_, m, _)); }
+      CUTE_UNROLL
+      for (int kk = 0; kk < size<2>(tOrOg); ++kk) {
+        if (get<1>(tOcOg(0, m, kk)) < p.head_dim_v) { copy(gmem_copy_o, tOrOg(_, m, kk), tOgO(_, m, kk)); }
+      }
     }
   }
 }

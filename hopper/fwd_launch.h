@@ -1,6 +1,8 @@
 // Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V (rows, d, heads, batch),
-// dynamic shared memory opt-in and the grid. Host only; instantiated once per manifest entry.
+// dynamic shared memory opt-in and the persistent grid (one CTA per SM at most). Host only; instantiated once per manifest entry.
 #pragma once
+
+#include <algorithm>
 
 #include <cuda_runtime.h>
 
@@ -40,8 +42,13 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                            take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}), _1{});
 
-  int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  dim3 const grid(num_m_blocks, p.num_heads, p.batch);
+  kp.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  int num_sms = 0;
+  if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device)) {
+    return LaunchStatus::cuda(e, "cudaDeviceGetAttribute");
+  }
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch};
+  dim3 const grid(std::min(sched.num_tiles(), num_sms));
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
   return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
 }
