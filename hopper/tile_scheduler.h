@@ -2,8 +2,9 @@
 // CTA i takes tiles i, i + gridDim.x, ... in a fixed order, so the producer can prefetch the next
 // tile's K/V while the consumers finish the current one. The query blocks of one (head, batch) are
 // adjacent, so the CTAs running at one time share the K/V of a few heads in L2; with a band mask
-// (causal, local) each head's blocks go last-first (longest first). Ordering all heads' last blocks
-// first was measured slower at 4k-16k causal (K/V of every head competing for L2).
+// (causal, local) each head's blocks go last-first (longest first), and the launcher gives every tile
+// its own CTA so the hardware balances the uneven tiles (see fwd_launch.h). Ordering all heads' last
+// blocks first was measured slower at 4k-16k causal (K/V of every head competing for L2).
 #pragma once
 
 #include <cute/config.hpp>

@@ -202,8 +202,9 @@ def test_fwd_softcap(dtype, hdim, softcap, scale, causal, seqlens, seed):
     sq, sk = seqlens
     q, k, v = random_qkv(2, sq, sk, 6, 2, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
     _, _, (_, ref_lse, _, low_lse) = check_fwd(q, k, v, causal=causal, softcap=softcap, softmax_scale=scale)
-    if scale is not None or softcap < 10:
-        # Here the cap moves the LSE far beyond its tolerance, so a kernel ignoring it fails.
+    if softcap < 10:
+        # A cap of 3 on unit-variance scores moves the LSE far beyond its tolerance, so a kernel ignoring
+        # it fails (with cap 30 the move can be within tolerance for small head dims).
         _, uncapped_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
         tol = 2 * (low_lse - ref_lse).abs().max().item() + 2 * torch.finfo(torch.float32).eps * ref_lse.abs().max().item()
         assert (uncapped_lse - ref_lse).abs().max().item() > 10 * tol
