@@ -14,6 +14,7 @@
 #include "ampere/fwd_traits.h"
 #include "ampere/mma_utils.h"
 #include "common/empty_tile.h"
+#include "common/epilogue.h"
 #include "common/fragment.h"
 #include "common/fwd_params.h"
 #include "common/mask.h"
@@ -175,16 +176,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor taccOsO = smem_thr_o.partition_D(sO);
   copy(smem_copy_o, taccOrO, taccOsO);
 
-  // LSE: the lane holding column 0 of a row writes it; rows past seqused_q are empty.
-  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
   Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{})));
-  if (get<1>(tOcO(0, 0)) == 0) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < size(lse); ++mi) {
-      int const row = m_block * kBlockM + get<0>(tOcO(mi, 0));
-      if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
-    }
-  }
+  write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
   __syncthreads();
 
   typename Traits::GmemTiledCopyO gmem_copy_o;
@@ -194,16 +187,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor tOrO = make_tensor<Element>(shape(tOgO));
   copy(gmem_copy_o, tOsO, tOrO);
   Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOrO); ++m) {
-    int const row = m_block * kBlockM + get<0>(tOcOg(0, m, 0));
-    if (row >= seq.seqlen_q_alloc) { continue; }
-    if (row >= seq.seqlen_q) { clear(tOrO(_, m, _)); }
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOrO); ++k) {
-      if (get<1>(tOcOg(0, m, k)) < p.head_dim_v) { copy(gmem_copy_o, tOrO(_, m, k), tOgO(_, m, k)); }
-    }
-  }
+  store_o_tile(gmem_copy_o, tOrO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
 }
 
 }  // namespace flashtile::ampere

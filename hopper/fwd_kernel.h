@@ -24,6 +24,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/empty_tile.h"
+#include "common/epilogue.h"
 #include "common/fragment.h"
 #include "common/fwd_params.h"
 #include "common/mask.h"
@@ -231,14 +232,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor rO = convert_fragment<Element>(tOrO);
     copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
 
-    float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-    if (get<1>(tOcO(0, 0)) == 0) {
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRowsPerThread; ++mi) {
-        int const row = m_block * kBlockM + get<0>(tOcO(mi, 0));
-        if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
-      }
-    }
+    write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
     cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
 
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
@@ -248,16 +242,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy(gmem_copy_o, tOsO, tOrOg);
     // Q/O may now be overwritten by the next tile's Q.
     cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOrOg); ++m) {
-      int const row = m_block * kBlockM + get<0>(tOcOg(0, m, 0));
-      if (row >= seq.seqlen_q_alloc) { continue; }
-      if (row >= seq.seqlen_q) { clear(tOrOg(_, m, _)); }
-      CUTE_UNROLL
-      for (int kk = 0; kk < size<2>(tOrOg); ++kk) {
-        if (get<1>(tOcOg(0, m, kk)) < p.head_dim_v) { copy(gmem_copy_o, tOrOg(_, m, kk), tOgO(_, m, kk)); }
-      }
-    }
+    store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
   }
 }
 

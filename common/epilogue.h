@@ -1,0 +1,40 @@
+// Epilogue pieces shared by the forward kernels: the LSE of a tile's rows and the predicated global
+// store of an O tile that was staged in shared memory and read back into registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "common/seq_info.h"
+
+namespace flashtile {
+
+// tOcO: (rows, cols) coordinates of the thread's accumulator rows; the thread holding column 0 of a
+// row writes its LSE. Rows past seqused_q are empty (-inf); rows past the allocation are skipped.
+template <class TensorLse, class TensorC>
+CUTE_DEVICE void write_lse(float* lse_ptr, TensorLse const& lse, TensorC const& tOcO, int row0, SeqInfo const& seq) {
+  if (cute::get<1>(tOcO(0, 0)) != 0) { return; }
+  CUTE_UNROLL
+  for (int mi = 0; mi < cute::size(lse); ++mi) {
+    int const row = row0 + cute::get<0>(tOcO(mi, 0));
+    if (row < seq.seqlen_q_alloc) { lse_ptr[row] = row < seq.seqlen_q ? lse(mi) : -INFINITY; }
+  }
+}
+
+// tOrO/tOgO/tOcO: a 16-byte-vector tiled copy's (CPY, CPY_M, CPY_K) partitions of the O tile in
+// registers, in global memory, and of its identity coordinates. Rows past seqused_q are written as 0.
+template <class TiledCopy, class TensorR, class TensorG, class TensorC>
+CUTE_DEVICE void store_o_tile(TiledCopy const& copy_o, TensorR& tOrO, TensorG& tOgO, TensorC const& tOcO, int row0,
+                              SeqInfo const& seq, int head_dim_v) {
+  CUTE_UNROLL
+  for (int m = 0; m < cute::size<1>(tOrO); ++m) {
+    int const row = row0 + cute::get<0>(tOcO(0, m, 0));
+    if (row >= seq.seqlen_q_alloc) { continue; }
+    if (row >= seq.seqlen_q) { cute::clear(tOrO(cute::_, m, cute::_)); }
+    CUTE_UNROLL
+    for (int k = 0; k < cute::size<2>(tOrO); ++k) {
+      if (cute::get<1>(tOcO(0, m, k)) < head_dim_v) { cute::copy(copy_o, tOrO(cute::_, m, k), tOgO(cute::_, m, k)); }
+    }
+  }
+}
+
+}  // namespace flashtile
