@@ -189,7 +189,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     """Merges split-KV partial results: out_partial (num_splits, ..., nheads, d) fp32 and lse_partial
     (num_splits, ..., nheads) fp32 (FA3 layout: (num_splits, batch, seqlen, nheads[, d])).
     Returns (out, lse) with lse (..., nheads). Computed with PyTorch ops (exact; not a fused kernel)."""
-    for name, t, nd in (("out_partial", out_partial, None), ("lse_partial", lse_partial, None)):
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flashtile: {name} must be a torch.Tensor")
         if t.dtype != torch.float32:
