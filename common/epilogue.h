@@ -37,4 +37,22 @@ CUTE_DEVICE void store_o_tile(TiledCopy const& copy_o, TensorR& tOrO, TensorG& t
   }
 }
 
+// A tile staged in shared memory to global memory through registers, 16-byte vectors, writing only
+// rows < max_row and column groups < max_col. tS/tD/tC: a tiled copy's (CPY, CPY_M, CPY_K) partitions
+// of the shared tile, the global tile and the tile's identity coordinates.
+template <class TiledCopy, class TensorS, class TensorD, class TensorC>
+CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, TensorD tD, TensorC const& tC, int max_row,
+                            int max_col) {
+  cute::Tensor tR = cute::make_fragment_like(tS);
+  cute::copy(tiled_copy, tS, tR);
+  CUTE_UNROLL
+  for (int m = 0; m < cute::size<1>(tR); ++m) {
+    if (cute::get<0>(tC(0, m, 0)) >= max_row) { continue; }
+    CUTE_UNROLL
+    for (int k = 0; k < cute::size<2>(tR); ++k) {
+      if (cute::get<1>(tC(0, m, k)) < max_col) { cute::copy(tiled_copy, tR(cute::_, m, k), tD(cute::_, m, k)); }
+    }
+  }
+}
+
 }  // namespace flashtile

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 2
+#define FT_ABI_VERSION 3
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -79,14 +79,53 @@ typedef struct FtFwdParams {
   int32_t device;  // CUDA device ordinal of every tensor above
 } FtFwdParams;
 
+// Backward pass arguments. `fwd` describes the forward call exactly as it was made (q, k, v, its output
+// `out`, its `lse`, sequence geometry, mask, dtype, path, device). Gradient tensors use the layouts of
+// the tensors they differentiate (dq like q, dk like k, dv like v, dout like out); the strides below are
+// element strides with the last dim contiguous; varlen ignores batch strides as in the forward.
+// Workspaces (fp32, caller-allocated, e.g. through PyTorch's caching allocator; no cudaMalloc here):
+//   dq_accum:     q's layout with head dim `head_dim` (its own strides); cleared by the preprocess
+//   dsoftmax_sum: lse's layout; written by the preprocess (rowsum(dout * out) - dlse)
+//   lse_log2:     lse's layout; written by the preprocess (lse * log2(e); +inf for rows without keys)
+//   dq_semaphore: deterministic mode only (else NULL): int32, batch * num_heads *
+//                 ceil(seqlen_q / FT_BWD_SEMAPHORE_ROWS) elements, zeroed by the caller
+// Rows of dq/dk/dv outside every sequence (varlen gaps, rows past seqused_k) are not written: a caller
+// that needs them defined zero-fills those tensors.
+#define FT_BWD_SEMAPHORE_ROWS 64
+
+typedef struct FtBwdParams {
+  FtFwdParams fwd;
+  const void* dout;
+  const float* dlse;  // gradient flowing into lse (lse's layout), or NULL for none
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;
+  float* dsoftmax_sum;
+  float* lse_log2;
+  int32_t* dq_semaphore;
+
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
+
+  int32_t deterministic;  // 1: dq accumulated in a fixed order (dq_semaphore required)
+  int32_t reserved;
+} FtBwdParams;
+
 FT_EXPORT int ft_abi_version(void);
 // sizeof(FtFwdParams) as compiled, so a caller can detect a layout mismatch at load time.
 FT_EXPORT int ft_fwd_params_size(void);
+FT_EXPORT int ft_bwd_params_size(void);
 // JSON describing the kernels compiled into this library (same content as build_config.json).
 FT_EXPORT const char* ft_build_config(void);
 FT_EXPORT const char* ft_last_error(void);
 // Enqueues the forward pass on `stream` (a cudaStream_t; NULL = legacy default stream).
 FT_EXPORT int ft_mha_fwd(const FtFwdParams* params, void* stream);
+// Enqueues the backward pass (preprocess, main kernel, postprocess) on `stream`.
+FT_EXPORT int ft_mha_bwd(const FtBwdParams* params, void* stream);
 
 #ifdef __cplusplus
 }

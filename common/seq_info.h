@@ -51,6 +51,13 @@ struct SeqInfo {
   CUTE_DEVICE int64_t lse_offset(FtFwdParams const& p, int bidb) const {
     return p.cu_seqlens_q ? q_row0 : int64_t(bidb) * p.lse_batch_stride;
   }
+  // Offset of a tensor laid out like q (dout, dq, the dq accumulator) or like k (dk, dv).
+  CUTE_DEVICE int64_t q_like_offset(FtFwdParams const& p, int bidb, int64_t batch_stride, int64_t row_stride) const {
+    return p.cu_seqlens_q ? q_row0 * row_stride : int64_t(bidb) * batch_stride;
+  }
+  CUTE_DEVICE int64_t k_like_offset(FtFwdParams const& p, int bidb, int64_t batch_stride, int64_t row_stride) const {
+    return p.cu_seqlens_k ? k_row0 * row_stride : int64_t(bidb) * batch_stride;
+  }
 };
 
 // KV block range [n_block_min, n_block_max) visible to query block m_block under the bottom-right
@@ -71,6 +78,30 @@ CUTE_DEVICE void kv_block_range(FtFwdParams const& p, SeqInfo const& s, int m_bl
     if (p.window_left >= 0) {
       int const col_begin = m_block * block_m + offset - p.window_left;
       n_block_min = col_begin <= 0 ? 0 : col_begin / block_n;
+    }
+  }
+}
+
+// The converse, for the backward: query blocks [m_block_min, m_block_max) that see any key of KV block
+// n_block. Exactly the m with n_block in kv_block_range(m), so both directions agree on every pair.
+template <bool kIsBand>
+CUTE_DEVICE void q_block_range(FtFwdParams const& p, SeqInfo const& s, int n_block, int block_m, int block_n,
+                               int& m_block_min, int& m_block_max) {
+  m_block_min = 0;
+  m_block_max = (s.seqlen_q + block_m - 1) / block_m;
+  if constexpr (kIsBand) {
+    int const offset = s.seqlen_k - s.seqlen_q;
+    int const wr = p.is_causal ? 0 : p.window_right;
+    if (wr >= 0) {
+      // Row i sees the block's first key only if i >= n_block * block_n - offset - wr.
+      int const row_begin = n_block * block_n - offset - wr;
+      if (row_begin >= s.seqlen_q) { m_block_max = 0; }
+      m_block_min = row_begin <= 0 ? 0 : row_begin / block_m;
+    }
+    if (p.window_left >= 0) {
+      // Row i sees the block's last key only if i < (n_block + 1) * block_n - offset + wl.
+      int const row_end = (n_block + 1) * block_n - offset + p.window_left;
+      m_block_max = min(m_block_max, row_end <= 0 ? 0 : (row_end + block_m - 1) / block_m);
     }
   }
 }

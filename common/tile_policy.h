@@ -19,6 +19,25 @@ constexpr FwdTile ampere_fwd_tile(int head_dim) {
                            : FwdTile{128, 64, 8};
 }
 
+// Ampere-path backward: each CTA owns block_n keys and walks the query blocks of block_m rows. Three
+// warp layouts (rows x cols of warps) tile the three GEMM shapes: S/dP (block_m x block_n), dK/dV
+// (block_n x d) and dQ (block_m x d). The dK/dV accumulators (2 * block_n * d fp32 over the CTA) set
+// the register budget: block_n 128 up to d = 128, 64 above.
+// Shared memory: Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n), 16-bit:
+// d = 64: 80 KB, d = 128: 128 KB, d = 256: 144 KB.
+struct BwdTile {
+  int block_m;
+  int block_n;
+  int num_warps;
+  int warps_m_sdp;  // warps along block_m for S = Q K^T and dP = dO V^T (the rest along block_n)
+  int warps_n_dkv;  // warps along block_n for dK/dV (the rest along d)
+  int warps_m_dq;   // warps along block_m for dQ (the rest along d)
+};
+
+constexpr BwdTile ampere_bwd_tile(int head_dim) {
+  return head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 4} : BwdTile{64, 64, 8, 2, 4, 4};
+}
+
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
 // pipeline depth; setmaxnreg budgets (producer + consumers <= 512 registers per thread slot).
 // Shared memory: Q/O (block_m * d) + stages * block_n * (d + d_v), 16-bit elements.

@@ -1,0 +1,326 @@
+// Ampere-path backward kernel (mma.sync): one CTA owns block_n keys of one KV head and walks every
+// query block of every query head of that head's group that sees those keys.
+//
+// Per query block: S = Q K^T and dP = dO V^T (ldmatrix + mma.sync), P = exp2(S * scale_log2 - lse_log2)
+// (exact probabilities from the forward's LSE), dS = P * (dP - D) (times the tanh derivative under
+// softcap). P and dS go to shared memory in the input dtype; dV += P^T dO and dK += dS^T Q read them
+// through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
+// the fp32 dq accumulator with atomics (in n_block order per query block in deterministic mode).
+// Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
+// expanded K/V. The next Q/dO tile loads (cp.async) while dQ is computed and accumulated.
+// Synchronization (one buffer each for Q, dO, P, dS): after each wait for Q/dO; after P/dS are
+// written; after the dK/dV GEMMs, before the next Q/dO load overwrites their operands.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "ampere/bwd_traits.h"
+#include "ampere/mma_utils.h"
+#include "common/bwd_params.h"
+#include "common/epilogue.h"
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/seq_info.h"
+
+namespace flashtile::ampere {
+
+using namespace cute;
+
+// Waits until the CTAs of the lower KV blocks have added their dQ contribution to this query block
+// (deterministic mode): `expected` of them precede this one.
+CUTE_DEVICE void wait_dq_turn(int const* semaphore, int expected) {
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+CUTE_DEVICE void pass_dq_turn(int* semaphore) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) { atomicAdd(semaphore, 1); }
+}
+
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  FtFwdParams const& p = params.fwd.abi;
+  FtBwdParams const& b = params.abi;
+
+  int const n_block = blockIdx.x;
+  int const bidh_k = blockIdx.y;
+  int const bidb = blockIdx.z;
+  SeqInfo const seq(p, bidb);
+  if (n_block * kBlockN >= seq.seqlen_k) { return; }
+  int m_block_min, m_block_max;
+  q_block_range<kIsBand>(p, seq, n_block, kBlockM, kBlockN, m_block_min, m_block_max);
+  int const num_m_blocks = max(0, m_block_max - m_block_min);
+  int const group = params.fwd.h_h_k_ratio;
+  int const num_steps = num_m_blocks * group;  // (query head in group, query block), block fastest
+  int const tidx = threadIdx.x;
+
+  // This CTA's keys and values, and their gradients.
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k) + seq.k_offset(p, bidb) + bidh_k * p.k_head_stride),
+                          make_shape(seq.seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v) + seq.v_offset(p, bidb) + bidh_k * p.v_head_stride),
+                          make_shape(seq.seqlen_k, Int<kHeadDimV>{}), make_stride(p.v_row_stride, _1{}));
+  Tensor mdK = make_tensor(make_gmem_ptr(static_cast<Element*>(b.dk) + seq.k_like_offset(p, bidb, b.dk_batch_stride, b.dk_row_stride) +
+                                         bidh_k * b.dk_head_stride),
+                           make_shape(seq.seqlen_k, Int<kHeadDim>{}), make_stride(b.dk_row_stride, _1{}));
+  Tensor mdV = make_tensor(make_gmem_ptr(static_cast<Element*>(b.dv) + seq.k_like_offset(p, bidb, b.dv_batch_stride, b.dv_row_stride) +
+                                         bidh_k * b.dv_head_stride),
+                           make_shape(seq.seqlen_k, Int<kHeadDimV>{}), make_stride(b.dv_row_stride, _1{}));
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));
+  Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+  Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));
+
+  // Q and dO tiles of step `step` (num_steps > 0): query head bidh_k * group + step / num_m_blocks,
+  // query block m_block_min + step % num_m_blocks.
+  auto q_tiles = [&](int step) {
+    int const bidh = bidh_k * group + step / num_m_blocks;
+    int const m_block = m_block_min + step % num_m_blocks;
+    Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + seq.q_offset(p, bidb) + bidh * p.q_head_stride),
+                            make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
+    Tensor mdO = make_tensor(make_gmem_ptr(static_cast<Element const*>(b.dout) +
+                                           seq.q_like_offset(p, bidb, b.do_batch_stride, b.do_row_stride) + bidh * b.do_head_stride),
+                             make_shape(seq.seqlen_q, Int<kHeadDimV>{}), make_stride(b.do_row_stride, _1{}));
+    return cute::make_tuple(local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0)),
+                            local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
+  };
+
+  extern __shared__ char smem_[];
+  Element* smem = reinterpret_cast<Element*>(smem_);
+  constexpr int kOffdO = Traits::kSmemQ;
+  constexpr int kOffK = kOffdO + Traits::kSmemdO;
+  constexpr int kOffV = kOffK + Traits::kSmemK;
+  constexpr int kOffP = kOffV + Traits::kSmemV;
+  constexpr int kOffdS = kOffP + Traits::kSmemPdS;
+  Tensor sQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem + kOffdO), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(smem + kOffK), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem + kOffV), typename Traits::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(smem + kOffP), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem + kOffdS), typename Traits::SmemLayoutPdS{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  // Register fragments are shaped from the swizzle-free views (same shapes, plain offsets).
+  Tensor sQtF = make_tensor(sQ.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutQt{}));
+  Tensor sdOtF = make_tensor(sdO.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutdOt{}));
+  Tensor sKtF = make_tensor(sK.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutKt{}));
+  Tensor sPtF = make_tensor(sP.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutPdSt{}));
+
+  // Global -> shared copies with row/column predicates.
+  typename Traits::GmemTiledCopyQK gmem_copy_qk;
+  typename Traits::GmemTiledCopyV gmem_copy_v;
+  auto gmem_thr_qk = gmem_copy_qk.get_thread_slice(tidx);
+  auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
+  Tensor tQsQ = gmem_thr_qk.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr_v.partition_D(sdO);
+  Tensor tQcQ = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdOcdO = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  Tensor tKcK = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  Tensor tQKp = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  Tensor tVp = make_tensor<bool>(make_shape(size<2>(tdOsdO)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(tQKp); ++k) { tQKp(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim; }
+  CUTE_UNROLL
+  for (int k = 0; k < size(tVp); ++k) { tVp(k) = get<1>(tdOcdO(0, 0, k)) < p.head_dim_v; }
+  auto load_q_do = [&](int step) {
+    auto tiles = q_tiles(step);
+    int const rows = seq.seqlen_q - (m_block_min + step % num_m_blocks) * kBlockM;
+    copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(get<0>(tiles)), tQsQ, tQcQ, tQKp, rows);
+    copy_tile(gmem_copy_v, gmem_thr_v.partition_S(get<1>(tiles)), tdOsdO, tdOcdO, tVp, rows);
+  };
+
+  // S = Q K^T and dP = dO V^T.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tidx);
+  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
+  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tidx);
+  Tensor tSsK = thr_sdp_b.partition_S(sK);
+  Tensor tdPsV = thr_sdp_b.partition_S(sV);
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
+  auto thr_pds = copy_pds.get_thread_slice(tidx);
+  Tensor tPsP = thr_pds.partition_D(sP);
+  Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+  // dV += P^T dO and dK += dS^T Q.
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtF);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOtF);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sPtF);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtF);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tidx);
+  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
+  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tidx);
+  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
+  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // dQ = dS K.
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKtF);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto thr_dq_a = copy_dq_a.get_thread_slice(tidx);
+  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_dq_b = copy_dq_b.get_thread_slice(tidx);
+  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+  Tensor tScS_rc = rowcol(tScS);
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+
+  // Prologue: K, V and the first Q/dO tile.
+  if (num_steps > 0) {
+    int const rows_k = seq.seqlen_k - n_block * kBlockN;
+    Tensor tKsK = gmem_thr_qk.partition_D(sK);
+    Tensor tVsV = gmem_thr_v.partition_D(sV);
+    copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(gK), tKsK, tKcK, tQKp, rows_k);
+    copy_tile(gmem_copy_v, gmem_thr_v.partition_S(gV), tVsV, tVcV, tVp, rows_k);
+    load_q_do(0);
+    cp_async_fence();
+  }
+
+  for (int step = 0; step < num_steps; ++step) {
+    int const bidh = bidh_k * group + step / num_m_blocks;
+    int const m_block = m_block_min + step % num_m_blocks;
+    int64_t const row_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
+    // Per-row LSE (exp2 domain) and D of this thread's score rows; rows past seqlen_q contribute 0.
+    float lse_log2[kRows], dsum[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
+      lse_log2[mi] = row < seq.seqlen_q ? b.lse_log2[row_off + row] : INFINITY;
+      dsum[mi] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // Q/dO (and K/V) visible; every thread is done reading the previous dS
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+    Tensor dtanh = make_fragment_like(acc_s);
+    if constexpr (kHasSoftcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        float const t = tanhf(acc_s(i) * params.fwd.softcap_scale);
+        acc_s(i) = t;
+        dtanh(i) = 1.f - t * t;
+      }
+    }
+    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+      mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
+    }
+    Tensor scores = rowcol(acc_s);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(scores); ++ni) {
+        scores(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
+      }
+    }
+    Tensor rP = convert_fragment<Element>(acc_s);
+    copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+    Tensor dp = rowcol(acc_dp);
+    Tensor dtanh_rc = rowcol(dtanh);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(dp); ++ni) {
+        float ds = scores(mi, ni) * (dp(mi, ni) - dsum[mi]);
+        if constexpr (kHasSoftcap) { ds *= dtanh_rc(mi, ni); }
+        dp(mi, ni) = ds;
+      }
+    }
+    Tensor rdS = convert_fragment<Element>(acc_dp);
+    copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+    __syncthreads();  // P and dS visible
+
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    __syncthreads();  // every thread is done with Q, dO and P
+    if (step + 1 < num_steps) {
+      load_q_do(step + 1);
+      cp_async_fence();
+    }
+
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_dq);
+    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+    int* semaphore = nullptr;
+    if (b.deterministic) {
+      int n_block_lo, n_block_hi;
+      kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+      int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
+      semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
+      wait_dq_turn(semaphore, n_block - n_block_lo);
+    }
+    float* dq_acc = b.dq_accum + seq.q_like_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                    bidh * b.dq_accum_head_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) {
+      int const row = m_block * kBlockM + get<0>(tdQcdQ(i));
+      int const col = get<1>(tdQcdQ(i));
+      if (row < seq.seqlen_q && col < p.head_dim) { atomicAdd(dq_acc + row * b.dq_accum_row_stride + col, acc_dq(i)); }
+    }
+    if (b.deterministic) { pass_dq_turn(semaphore); }
+  }
+
+  // Epilogue: dK (scaled once here) and dV through shared memory (K's and V's regions) to global.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }
+  Tensor rdK = convert_fragment<Element>(acc_dk);
+  Tensor rdV = convert_fragment<Element>(acc_dv);
+  __syncthreads();  // every thread is done reading K (dQ GEMM) and V
+  auto copy_dkv_store = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
+  auto thr_dkv_store = copy_dkv_store.get_thread_slice(tidx);
+  copy(copy_dkv_store, thr_dkv_store.retile_S(rdK), thr_dkv_store.partition_D(sK));
+  copy(copy_dkv_store, thr_dkv_store.retile_S(rdV), thr_dkv_store.partition_D(sV));
+  __syncthreads();
+
+  int const rows_k = seq.seqlen_k - n_block * kBlockN;
+  typename Traits::GmemTiledCopydK gmem_copy_dk;
+  auto gmem_thr_dk = gmem_copy_dk.get_thread_slice(tidx);
+  store_tile(gmem_copy_dk, gmem_thr_dk.partition_S(sK), gmem_thr_dk.partition_D(gdK),
+             gmem_thr_dk.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), rows_k, p.head_dim);
+  typename Traits::GmemTiledCopydV gmem_copy_dv;
+  auto gmem_thr_dv = gmem_copy_dv.get_thread_slice(tidx);
+  store_tile(gmem_copy_dv, gmem_thr_dv.partition_S(sV), gmem_thr_dv.partition_D(gdV),
+             gmem_thr_dv.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{})), rows_k, p.head_dim_v);
+}
+
+}  // namespace flashtile::ampere

@@ -1,0 +1,34 @@
+// Host launcher of the Ampere-path backward: preprocess (D, LSE in exp2 domain, dq accumulator
+// cleared), the main kernel (grid: KV blocks x KV heads x batch) and the dq postprocess, all on one
+// stream. Host only; instantiated once per manifest entry.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ampere/bwd_kernel.h"
+#include "common/bwd_prepost.h"
+#include "common/launch_status.h"
+
+namespace flashtile::ampere {
+
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
+  FtFwdParams const& p = params.fwd.abi;
+  auto kernel = bwd_kernel<Traits, kIsBand, kHasSoftcap>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  if (LaunchStatus s = check_smem_fits(p.device, kSmem); !s.ok()) { return s; }
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
+    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
+  }
+  dim3 const grid_rows((p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock, p.num_heads, p.batch);
+  bwd_preprocess_kernel<Element><<<grid_rows, kPrePostThreads, 0, stream>>>(params);
+  if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch"); !s.ok()) { return s; }
+  dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
+  bwd_postprocess_kernel<Element><<<grid_rows, kPrePostThreads, 0, stream>>>(params);
+  return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
+}
+
+}  // namespace flashtile::ampere

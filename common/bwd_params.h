@@ -1,0 +1,22 @@
+// Device-side backward parameters: the forward's derived parameters (FwdParams, which holds the
+// forward call's C ABI struct) plus FtBwdParams (gradients, workspaces, deterministic mode). Passed to
+// the backward kernels by value as a __grid_constant__.
+#pragma once
+
+#include "common/fwd_params.h"
+
+namespace flashtile {
+
+struct BwdParams {
+  FwdParams fwd;     // geometry, mask and scales of the forward call (fwd.abi == abi.fwd)
+  FtBwdParams abi;
+};
+
+inline BwdParams make_bwd_params(FtBwdParams const& abi) {
+  BwdParams p{};
+  p.fwd = make_fwd_params(abi.fwd);
+  p.abi = abi;
+  return p;
+}
+
+}  // namespace flashtile
