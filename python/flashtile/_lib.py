@@ -11,7 +11,8 @@ import json
 import os
 import threading
 
-ABI_VERSION = 2  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 3  # must equal FT_ABI_VERSION in common/flash_api.h
+BWD_SEMAPHORE_ROWS = 64  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 
 # FtStatus
 OK, INVALID_ARGUMENT, NOT_BUILT, UNSUPPORTED_DEVICE, CUDA_ERROR = 0, 1, 2, 3, 4
@@ -44,6 +45,25 @@ class FtFwdParams(ctypes.Structure):
         ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32), ("is_causal", ctypes.c_int32),
         ("dtype", ctypes.c_int32), ("path", ctypes.c_int32), ("device", ctypes.c_int32),
+    ]
+
+
+class FtBwdParams(ctypes.Structure):
+    """Mirror of FtBwdParams (common/flash_api.h); field order and types must match exactly."""
+
+    _fields_ = [
+        ("fwd", FtFwdParams),
+        ("dout", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
+        ("dq_accum", ctypes.c_void_p), ("dsoftmax_sum", ctypes.c_void_p), ("lse_log2", ctypes.c_void_p),
+        ("dq_semaphore", ctypes.c_void_p),
+        ("do_batch_stride", ctypes.c_int64), ("do_row_stride", ctypes.c_int64), ("do_head_stride", ctypes.c_int64),
+        ("dq_batch_stride", ctypes.c_int64), ("dq_row_stride", ctypes.c_int64), ("dq_head_stride", ctypes.c_int64),
+        ("dk_batch_stride", ctypes.c_int64), ("dk_row_stride", ctypes.c_int64), ("dk_head_stride", ctypes.c_int64),
+        ("dv_batch_stride", ctypes.c_int64), ("dv_row_stride", ctypes.c_int64), ("dv_head_stride", ctypes.c_int64),
+        ("dq_accum_batch_stride", ctypes.c_int64), ("dq_accum_row_stride", ctypes.c_int64),
+        ("dq_accum_head_stride", ctypes.c_int64),
+        ("deterministic", ctypes.c_int32), ("reserved", ctypes.c_int32),
     ]
 
 
@@ -81,20 +101,25 @@ def _load() -> ctypes.CDLL:
     except OSError as e:
         raise LibraryNotAvailableError(f"flashtile's compiled library at {path} could not be loaded: {e}") from e
     lib.ft_abi_version.restype = ctypes.c_int
+    abi = lib.ft_abi_version()
+    if abi != ABI_VERSION:
+        # Checked before any other symbol is looked up: a library of another ABI may lack some of them.
+        raise LibraryNotAvailableError(
+            f"flashtile library at {path} has ABI version {abi}, this Python package expects {ABI_VERSION}: "
+            "reinstall flashtile so the two come from the same build.")
     lib.ft_fwd_params_size.restype = ctypes.c_int
+    lib.ft_bwd_params_size.restype = ctypes.c_int
     lib.ft_build_config.restype = ctypes.c_char_p
     lib.ft_last_error.restype = ctypes.c_char_p
     lib.ft_mha_fwd.restype = ctypes.c_int
     lib.ft_mha_fwd.argtypes = [ctypes.POINTER(FtFwdParams), ctypes.c_void_p]
-    abi = lib.ft_abi_version()
-    if abi != ABI_VERSION:
-        raise LibraryNotAvailableError(
-            f"flashtile library at {path} has ABI version {abi}, this Python package expects {ABI_VERSION}: "
-            "reinstall flashtile so the two come from the same build.")
-    if lib.ft_fwd_params_size() != ctypes.sizeof(FtFwdParams):
-        raise LibraryNotAvailableError(
-            f"flashtile library at {path} has FtFwdParams of {lib.ft_fwd_params_size()} bytes, this package "
-            f"expects {ctypes.sizeof(FtFwdParams)}: reinstall flashtile so the two come from the same build.")
+    lib.ft_mha_bwd.restype = ctypes.c_int
+    lib.ft_mha_bwd.argtypes = [ctypes.POINTER(FtBwdParams), ctypes.c_void_p]
+    for struct, size_fn in ((FtFwdParams, lib.ft_fwd_params_size), (FtBwdParams, lib.ft_bwd_params_size)):
+        if size_fn() != ctypes.sizeof(struct):
+            raise LibraryNotAvailableError(
+                f"flashtile library at {path} has {struct.__name__} of {size_fn()} bytes, this package "
+                f"expects {ctypes.sizeof(struct)}: reinstall flashtile so the two come from the same build.")
     embedded = json.loads(lib.ft_build_config().decode())
     installed = installed_build_config()
     if embedded != installed:

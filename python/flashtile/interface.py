@@ -1,8 +1,10 @@
 """The public API, signature-compatible with FlashAttention-3's `flash_attn_interface`.
 
 Each function validates its arguments (_validate.py), checks that a kernel for the request was built
-(build_config.py), then calls the `flashtile::fwd` custom op. Features that are not implemented yet
-raise NotImplementedError naming the feature; nothing falls back to a slower path silently.
+(build_config.py), then calls the `flashtile::fwd` custom op, whose autograd runs `flashtile::bwd`
+(`deterministic=True` makes that backward pass bitwise reproducible). Features that are not
+implemented yet raise NotImplementedError naming the feature; nothing falls back to a slower path
+silently.
 Extensions beyond FA3 are keyword-only arguments whose defaults keep FA3's behaviour:
   path: "auto" (Hopper kernels on sm_90 when built, else the Ampere path) | "ampere" | "hopper".
 """
@@ -34,7 +36,7 @@ def _check_unsupported(qv, attention_chunk, num_splits) -> None:
 
 
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_size, softcap, descales, path):
+             softmax_scale, causal, window_size, softcap, descales, path, deterministic=False):
     """Shared validation + dispatch for the padded and packed layouts."""
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
@@ -87,7 +89,8 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         # Reads build_config.json: not traceable; under torch.compile the op itself reports a missing kernel.
         require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
     return _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, int(max_seqlen_q),
-                   int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id)
+                   int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id,
+                   bool(deterministic))
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
@@ -98,12 +101,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     causal masks are bottom-right aligned; window_size=(left, right) keeps keys j with
     i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded); rows that see no key give 0.
     Returns out, or (out, softmax_lse) with lse (batch, nheads, seqlen_q) if return_attn_probs.
+    Differentiable (w.r.t. q, k, v, through out and lse); deterministic=True makes the backward pass
+    bitwise reproducible (dq accumulated in a fixed order; somewhat slower).
     """
     _check_unsupported(qv, attention_chunk, num_splits)
     out, lse = _forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, descales=(q_descale, k_descale, v_descale),
-                        path=path)
+                        path=path, deterministic=deterministic)
     return (out, lse) if return_attn_probs else out
 
 
@@ -115,6 +120,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Packed variable-length batches: q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]),
     cu_seqlens_* int32 (batch + 1). max_seqlen_q/k must bound every sequence. Zero-length sequences
     are allowed. Returns out (total_q, nheads, d_v), or (out, lse) with lse (nheads, total_q).
+    Differentiable like flash_attn_func (deterministic: bitwise reproducible backward pass); gradients
+    of rows outside every sequence are 0.
     """
     _check_unsupported(qv, attention_chunk, num_splits)
     if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -122,7 +129,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse = _forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                        descales=(q_descale, k_descale, v_descale), path=path)
+                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=deterministic)
     return (out, lse) if return_attn_probs else out
 
 
@@ -181,7 +188,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_q=None,
                         seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=None,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                        descales=(q_descale, k_descale, v_descale), path=path)
+                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=False)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -1,9 +1,11 @@
 """torch.library custom ops: the boundary between PyTorch and the compiled library.
 
 `flashtile::fwd` allocates the outputs, fills the C ABI struct from tensor metadata and enqueues the
-kernel on the current torch stream of the tensors' device (so CUDA-graph capture works). Each op has
-a fake implementation (shapes only) for torch.compile/export and an autograd registration.
-Arguments arrive validated (interface.py).
+kernel on the current torch stream of the tensors' device (so CUDA-graph capture works).
+`flashtile::bwd` does the same for the backward pass; its fp32 workspaces (dq accumulator, softmax
+row sums, log2-scaled LSE, deterministic-mode semaphores) come from torch's caching allocator too.
+Each op has a fake implementation (shapes only) for torch.compile/export; `flashtile::fwd`'s
+autograd registration calls `flashtile::bwd`. Arguments arrive validated (interface.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,19 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) element strides of a (b, s, h, d) tensor, or of a packed (total, h, d) one
+    (batch stride 0: the kernels ignore it there)."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of lse: (b, h, sq) padded, (h, total_q) varlen; the row stride is 1."""
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
 def _out_shapes(q: torch.Tensor, v: torch.Tensor, varlen: bool):
     dv = v.shape[-1]
     if varlen:
@@ -34,12 +49,58 @@ def _out_shapes(q: torch.Tensor, v: torch.Tensor, varlen: bool):
     return (b, sq, h, dv), (b, h, sq)
 
 
-@torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types="cuda")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-        seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-        window_left: int, window_right: int, softcap: float, path: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
+    return cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+
+
+def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                     path) -> None:
+    """The forward call's description (FtFwdParams), shared by the forward and the backward op."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_data_alignment(name, t)
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    p.q_batch_stride, p.q_row_stride, p.q_head_stride = _strides(q, varlen_q)
+    p.o_batch_stride, p.o_row_stride, p.o_head_stride = _strides(out, varlen_q)
+    p.lse_batch_stride, p.lse_head_stride = _lse_strides(lse, varlen_q)
+    p.k_batch_stride, p.k_row_stride, p.k_head_stride = _strides(k, varlen_k)
+    p.v_batch_stride, p.v_row_stride, p.v_head_stride = _strides(v, varlen_k)
+    p.cu_seqlens_q, p.cu_seqlens_k = _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)
+    p.seqused_q, p.seqused_k = _ptr(seqused_q), _ptr(seqused_k)
+    p.batch, p.seqlen_q, p.seqlen_k = _batch(q, cu_seqlens_q), max_seqlen_q, max_seqlen_k
+    p.rows_q = q.shape[0] if varlen_q else q.shape[1]
+    p.rows_k = k.shape[0] if varlen_k else k.shape[1]
+    p.num_heads, p.num_heads_k = q.shape[-2], k.shape[-2]
+    p.head_dim, p.head_dim_v = q.shape[-1], v.shape[-1]
+    p.softmax_scale, p.softcap = softmax_scale, softcap
+    p.window_left, p.window_right, p.is_causal = window_left, window_right, int(causal)
+    p.dtype, p.path, p.device = _DTYPES[q.dtype], path, q.get_device()  # CUDA ordinal
+
+
+def _current_stream(device: torch.device) -> int:
+    """The cudaStream_t of torch's current stream on `device` (a separate function so that CPU tests
+    can substitute it)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _launch(entry: str, params: ctypes.Structure, device: torch.device, what: str) -> None:
+    """Calls lib.<entry>(&params, stream) and maps a nonzero status to a Python exception."""
+    stream = _current_stream(device)
+    lib = _lib.lib()
+    rc = getattr(lib, entry)(ctypes.byref(params), ctypes.c_void_p(stream))
+    if rc != _lib.OK:
+        msg = _lib.last_error()
+        if rc == _lib.NOT_BUILT:
+            from .build_config import KernelNotBuiltError, build_config, describe
+            raise KernelNotBuiltError(f"flashtile: {msg}. This build has: {describe(build_config())}")
+        raise KernelError(f"flashtile {what} failed (status {rc}): {msg}")
+
+
+# ---- forward -----------------------------------------------------------------------------------------
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, path):
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _out_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -51,65 +112,141 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _validate.check_data_alignment(name, t)
-
     p = _lib.FtFwdParams()
-    p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
-    if varlen:
-        batch = cu_seqlens_q.shape[0] - 1
-        p.q_batch_stride, p.q_row_stride, p.q_head_stride = 0, q.stride(0), q.stride(1)
-        p.o_batch_stride, p.o_row_stride, p.o_head_stride = 0, out.stride(0), out.stride(1)
-        p.lse_batch_stride, p.lse_head_stride = 0, lse.stride(0)
-    else:
-        batch = q.shape[0]
-        p.q_batch_stride, p.q_row_stride, p.q_head_stride = q.stride(0), q.stride(1), q.stride(2)
-        p.o_batch_stride, p.o_row_stride, p.o_head_stride = out.stride(0), out.stride(1), out.stride(2)
-        p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
-    if cu_seqlens_k is not None:
-        p.k_batch_stride, p.k_row_stride, p.k_head_stride = 0, k.stride(0), k.stride(1)
-        p.v_batch_stride, p.v_row_stride, p.v_head_stride = 0, v.stride(0), v.stride(1)
-    else:
-        p.k_batch_stride, p.k_row_stride, p.k_head_stride = k.stride(0), k.stride(1), k.stride(2)
-        p.v_batch_stride, p.v_row_stride, p.v_head_stride = v.stride(0), v.stride(1), v.stride(2)
-    p.cu_seqlens_q, p.cu_seqlens_k = _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)
-    p.seqused_q, p.seqused_k = _ptr(seqused_q), _ptr(seqused_k)
-    p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
-    p.rows_q = q.shape[0] if varlen else q.shape[1]
-    p.rows_k = k.shape[0] if cu_seqlens_k is not None else k.shape[1]
-    p.num_heads, p.num_heads_k = q.shape[-2], k.shape[-2]
-    p.head_dim, p.head_dim_v = q.shape[-1], v.shape[-1]
-    p.softmax_scale, p.softcap = softmax_scale, softcap
-    p.window_left, p.window_right, p.is_causal = window_left, window_right, int(causal)
-    p.dtype, p.path, p.device = _DTYPES[q.dtype], path, q.device.index
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    lib = _lib.lib()
-    rc = lib.ft_mha_fwd(ctypes.byref(p), ctypes.c_void_p(stream))
-    if rc != _lib.OK:
-        msg = _lib.last_error()
-        if rc == _lib.NOT_BUILT:
-            from .build_config import KernelNotBuiltError, build_config, describe
-            raise KernelNotBuiltError(f"flashtile: {msg}. This build has: {describe(build_config())}")
-        raise KernelError(f"flashtile forward failed (status {rc}): {msg}")
+    _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+    _launch("ft_mha_fwd", p, q.device, "forward")
     return out, lse
+
+
+@torch.library.custom_op("flashtile::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+        seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float, path: int,
+        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: (out, lse). `deterministic` is not used by the forward (which is always
+    deterministic); it selects the deterministic backward pass of this call."""
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, path)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, path):
+              softmax_scale, causal, window_left, window_right, softcap, path, deterministic=False):
     out_shape, lse_shape = _out_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
+# ---- backward ----------------------------------------------------------------------------------------
+
+def _kernel_readable(t: torch.Tensor) -> torch.Tensor:
+    """t when the kernels can read it through its own strides (unit last-dim stride, other strides
+    positive multiples of 16 bytes, 16-byte aligned base address), else a contiguous copy. Gradients
+    from autograd are often expanded (stride 0, e.g. from out.sum()) or otherwise strided views."""
+    elems = 16 // t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(n <= 1 or (s > 0 and s % elems == 0) for n, s in zip(t.shape[:-1], t.stride()[:-1]))):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
+    """A contiguous tensor of like's shape and dtype (the layout the fake implementation promises)."""
+    make = torch.zeros if zero else torch.empty
+    return make(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic, path):
+    varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    batch = _batch(q, cu_seqlens_q)
+    if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        # No (query, key) pair anywhere: every gradient is 0, and there is nothing to launch.
+        return _grad_buffer(q, zero=True), _grad_buffer(k, zero=True), _grad_buffer(v, zero=True)
+    # The kernels leave rows outside every sequence unwritten (varlen gaps, keys past seqused_k; query
+    # rows past seqused_q are written, with 0): those gradients are 0, so such buffers start zeroed.
+    dq = _grad_buffer(q, zero=varlen_q)
+    dk = _grad_buffer(k, zero=varlen_k or seqused_k is not None)
+    dv = _grad_buffer(v, zero=varlen_k or seqused_k is not None)
+    lse = lse.contiguous()
+    dout = _kernel_readable(dout)
+    if dlse is not None and (dlse.stride() != lse.stride() or dlse.data_ptr() % 16 != 0):
+        dlse = torch.empty_like(lse).copy_(dlse)  # dlse has no strides of its own in the ABI: lse's layout
+    # Workspaces (fp32, through torch's allocator; cleared or written by the kernels' preprocess).
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # q's layout, head dim d
+    dsoftmax_sum = torch.empty_like(lse)
+    lse_log2 = torch.empty_like(lse)
+    dq_semaphore = None
+    if deterministic:
+        blocks = -(-max_seqlen_q // _lib.BWD_SEMAPHORE_ROWS)
+        dq_semaphore = torch.zeros(batch * q.shape[-2] * blocks, dtype=torch.int32, device=q.device)
+
+    p = _lib.FtBwdParams()
+    _fill_fwd_params(p.fwd, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+    p.dout, p.dlse = dout.data_ptr(), _ptr(dlse)
+    p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    p.dq_accum, p.dsoftmax_sum, p.lse_log2 = dq_accum.data_ptr(), dsoftmax_sum.data_ptr(), lse_log2.data_ptr()
+    p.dq_semaphore = _ptr(dq_semaphore)
+    p.do_batch_stride, p.do_row_stride, p.do_head_stride = _strides(dout, varlen_q)
+    p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride = _strides(dq, varlen_q)
+    p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride = _strides(dk, varlen_k)
+    p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride = _strides(dv, varlen_k)
+    p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride = _strides(dq_accum, varlen_q)
+    p.deterministic = int(deterministic)
+    _launch("ft_mha_bwd", p, q.device, "backward")
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashtile::bwd", mutates_args=(), device_types="cuda")
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, dlse: Optional[torch.Tensor],
+        cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+        seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float, deterministic: bool,
+        path: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its `out` and
+    `lse`, the gradient `dout` of out and (optionally) the gradient `dlse` of lse."""
+    return _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                     deterministic, path)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic, path):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ---- autograd ----------------------------------------------------------------------------------------
+
+_FWD_NUM_INPUTS = 16  # arguments of flashtile::fwd; autograd wants one gradient (or None) for each
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
-    ctx.save_for_backward(q, k, v, *output)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap, path, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
+    ctx.deterministic, ctx.path = deterministic, path
+    # An unused output gets None rather than a zero tensor: no dlse buffer when lse is not used.
+    ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, dout, dlse):
-    raise NotImplementedError(
-        "flashtile: the attention backward pass is not implemented in this version (forward only); "
-        "call the forward under torch.no_grad() or with inputs that do not require grad")
+    none = (None,) * (_FWD_NUM_INPUTS - 3)
+    if dout is None and dlse is None:
+        return (None, None, None) + none
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *ctx.args,
+                     ctx.deterministic, ctx.path)
+    return (dq, dk, dv) + none
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

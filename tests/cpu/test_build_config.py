@@ -66,9 +66,21 @@ def _generate(tmp_path, *argv):
     return out, cfg
 
 
+PARAMS_TYPE = {"fwd": "FwdParams", "bwd": "BwdParams"}  # the device-side params struct of each op
+
+
 def _dispatch_entries(out):
-    text = (out / "fwd_dispatch_table.inc").read_text()
+    """The generated tables' text and their entries, in table order (forward, then backward)."""
+    text = (out / "dispatch_table.inc").read_text()
     return text, ENTRY_RE.findall(text)
+
+
+def _table(text, op):
+    """The body of one operation's table."""
+    m = re.search(r"constexpr KernelEntry<%s> k%sKernels\[\] = \{\n(.*?)\n\};" % (PARAMS_TYPE[op], op.capitalize()),
+                  text, re.S)
+    assert m is not None, f"no {op} dispatch table"
+    return m.group(1)
 
 
 def _check_outputs(out, cfg):
@@ -77,18 +89,25 @@ def _check_outputs(out, cfg):
     names = [k["name"] for k in cfg["kernels"]]
     assert len(set(names)) == len(names)
 
-    text, entries = _dispatch_entries(out)
-    assert [e[6] for e in entries] == names
-    for k, (path_enum, dtype_enum, hd, hdv, band, softcap, fn, name) in zip(cfg["kernels"], entries):
-        assert fn == name == k["name"]
-        assert path_enum == manifest.PATHS[k["path"]] and path_enum in enums
-        assert dtype_enum == manifest.DTYPES[k["dtype"]][1] and dtype_enum in enums
-        assert (int(hd), int(hdv)) == (k["head_dim"], k["head_dim_v"])
-        assert band == ("true" if k["mask"] == "band" else "false")
-        assert softcap == ("true" if k["softcap"] else "false")
-        assert f"LaunchStatus {name}(FwdParams const& params, cudaStream_t stream);" in text
-    if not names:
-        assert "nullptr" in text  # an empty build still compiles and never matches
+    assert set(manifest.OPS) == set(PARAMS_TYPE) and manifest.PARAMS_TYPE == PARAMS_TYPE
+    assert {k["op"] for k in cfg["kernels"]} <= set(manifest.OPS)
+    assert all(k["path"] in manifest.OPS[k["op"]] for k in cfg["kernels"])
+    text, _ = _dispatch_entries(out)
+    for op in manifest.OPS:
+        op_kernels = [k for k in cfg["kernels"] if k["op"] == op]
+        body = _table(text, op)
+        entries = ENTRY_RE.findall(body)
+        assert [e[6] for e in entries] == [k["name"] for k in op_kernels]
+        for k, (path_enum, dtype_enum, hd, hdv, band, softcap, fn, name) in zip(op_kernels, entries):
+            assert fn == name == k["name"]
+            assert path_enum == manifest.PATHS[k["path"]] and path_enum in enums
+            assert dtype_enum == manifest.DTYPES[k["dtype"]][1] and dtype_enum in enums
+            assert (int(hd), int(hdv)) == (k["head_dim"], k["head_dim_v"])
+            assert band == ("true" if k["mask"] == "band" else "false")
+            assert softcap == ("true" if k["softcap"] else "false")
+            assert f"LaunchStatus {name}({PARAMS_TYPE[op]} const& params, cudaStream_t stream);" in text
+        if not op_kernels:
+            assert "nullptr" in body  # an empty table still compiles and never matches
 
     cu_files = sorted(os.listdir(out / "kernels"))
     assert cu_files == sorted(n + ".cu" for n in names)
@@ -97,10 +116,12 @@ def _check_outputs(out, cfg):
         ctype = manifest.DTYPES[k["dtype"]][0]
         band = "true" if k["mask"] == "band" else "false"
         sc = "true" if k["softcap"] else "false"
-        assert f'#include "{k["path"]}/fwd_launch.h"' in src
-        assert f"LaunchStatus {k['name']}(FwdParams const& params, cudaStream_t stream)" in src
-        assert f"{k['path']}::run_fwd<{ctype}, {k['head_dim']}, {k['head_dim_v']}, {band}, {sc}>(params, stream)" in src
-        assert len(re.findall(r"run_fwd<", src)) == 1
+        op = k["op"]
+        assert k["name"].startswith(f"{k['path']}_{op}_")
+        assert f'#include "{k["path"]}/{op}_launch.h"' in src
+        assert f"LaunchStatus {k['name']}({PARAMS_TYPE[op]} const& params, cudaStream_t stream)" in src
+        assert f"{k['path']}::run_{op}<{ctype}, {k['head_dim']}, {k['head_dim_v']}, {band}, {sc}>(params, stream)" in src
+        assert len(re.findall(r"run_\w+<", src)) == 1
 
     inc = (out / "build_config.inc").read_text()
     m = re.search(r'kBuildConfigJson\[\] = R"ftjson\((.*)\)ftjson";', inc, re.S)
@@ -128,12 +149,19 @@ def test_manifest_presets(tmp_path, kernel_set):
                                                         preset["features"])
     assert cfg["kernels"], "every preset builds at least one kernel"
     _check_outputs(out, cfg)
-    # Every (dtype, head dims, mask, softcap) combination of the options is present exactly once per path.
-    combos = {(k["path"], k["dtype"], k["head_dim"], k["head_dim_v"], k["mask"], k["softcap"]) for k in cfg["kernels"]}
+    # Every (dtype, head dims, mask, softcap) combination of the options is present exactly once per
+    # operation and path.
+    combos = {(k["op"], k["path"], k["dtype"], k["head_dim"], k["head_dim_v"], k["mask"], k["softcap"])
+              for k in cfg["kernels"]}
     assert len(combos) == len(cfg["kernels"])
-    n_paths = len({k["path"] for k in cfg["kernels"]})
     n_softcap = 2 if "softcap" in cfg["features"] else 1
-    assert len(cfg["kernels"]) == n_paths * len(cfg["dtypes"]) * len(cfg["head_dims"]) * 2 * n_softcap
+    n_op_paths = sum(1 for op, paths in manifest.OPS.items() for path in paths
+                     if manifest.path_archs(path, cfg["archs"]))
+    assert len(cfg["kernels"]) == n_op_paths * len(cfg["dtypes"]) * len(cfg["head_dims"]) * 2 * n_softcap
+    # Every forward configuration has a backward kernel (on some path) in every preset.
+    fwd = {(k["dtype"], k["head_dim"], k["head_dim_v"], k["mask"], k["softcap"]) for k in cfg["kernels"] if k["op"] == "fwd"}
+    bwd = {(k["dtype"], k["head_dim"], k["head_dim_v"], k["mask"], k["softcap"]) for k in cfg["kernels"] if k["op"] == "bwd"}
+    assert fwd == bwd
 
 
 def test_manifest_full_preset_contents(tmp_path):
@@ -144,6 +172,10 @@ def test_manifest_full_preset_contents(tmp_path):
     assert {k["mask"] for k in cfg["kernels"]} == {"none", "band"}
     ampere = [k for k in cfg["kernels"] if k["path"] == "ampere"]
     assert ampere and all(k["archs"] == ["sm_80", "sm_90"] for k in ampere)
+    assert {k["op"] for k in cfg["kernels"]} == {"fwd", "bwd"}
+    # The Hopper backward is not written yet: the backward is Ampere-path only (it runs on sm_90 too).
+    assert {k["path"] for k in cfg["kernels"] if k["op"] == "bwd"} == {"ampere"}
+    assert {k["path"] for k in cfg["kernels"] if k["op"] == "fwd"} == {"ampere", "hopper"}
     for k in cfg["kernels"]:
         assert k["archs"] == [f"sm_{a}" for a in manifest.path_archs(k["path"], cfg["archs"])]
 
@@ -165,7 +197,8 @@ def test_manifest_features_none_disables_preset_features(tmp_path):
     paths = sorted({k["path"] for k in cfg["kernels"]})
     assert "ampere" in paths
     assert sorted(k["name"] for k in cfg["kernels"]) == sorted(
-        f"{p}_fwd_bf16_hd128x128_{m}" for p in paths for m in ("none", "band"))
+        f"{p}_{op}_bf16_hd128x128_{m}" for op, op_paths in manifest.OPS.items() for p in op_paths
+        if p in paths for m in ("none", "band"))
     _check_outputs(out, cfg)
 
 
@@ -218,8 +251,9 @@ def test_manifest_hdim_parsing():
     assert manifest.parse_hdims("64;128,192x128") == [(64, 64), (128, 128), (192, 128)]
     assert manifest.parse_hdims(" 256 ; ") == [(256, 256)]
     ks = manifest.enumerate_kernels("80", "bf16", "192x128", "")
-    assert [(k["head_dim"], k["head_dim_v"]) for k in ks] == [(192, 128), (192, 128)]
-    assert [k["name"] for k in ks] == ["ampere_fwd_bf16_hd192x128_none", "ampere_fwd_bf16_hd192x128_band"]
+    assert {(k["head_dim"], k["head_dim_v"]) for k in ks} == {(192, 128)}
+    assert [k["name"] for k in ks] == ["ampere_fwd_bf16_hd192x128_none", "ampere_fwd_bf16_hd192x128_band",
+                                       "ampere_bwd_bf16_hd192x128_none", "ampere_bwd_bf16_hd192x128_band"]
 
 
 # ---- manifest <-> C ABI header <-> Python ------------------------------------------------------------
@@ -262,35 +296,124 @@ def _c_struct_fields(text, struct):
     return fields
 
 
-CTYPE_KIND = {ctypes.c_void_p: "ptr", ctypes.c_int64: "int64_t", ctypes.c_int32: "int32_t", ctypes.c_float: "float"}
+CTYPE_KIND = {ctypes.c_void_p: "ptr", ctypes.c_int64: "int64_t", ctypes.c_int32: "int32_t", ctypes.c_float: "float",
+              _lib.FtFwdParams: "FtFwdParams"}
+STRUCTS = {"FtFwdParams": _lib.FtFwdParams, "FtBwdParams": _lib.FtBwdParams}
 
 
-def test_ctypes_struct_mirrors_c_header():
-    c_fields = _c_struct_fields(_header(FLASH_API_H), "FtFwdParams")
-    py_fields = [(name, CTYPE_KIND[t]) for name, t in _lib.FtFwdParams._fields_]
+@pytest.mark.parametrize("struct", list(STRUCTS))
+def test_ctypes_struct_mirrors_c_header(struct):
+    c_fields = _c_struct_fields(_header(FLASH_API_H), struct)
+    py_fields = [(name, CTYPE_KIND[t]) for name, t in STRUCTS[struct]._fields_]
     assert py_fields == c_fields
+
+
+def test_bwd_struct_embeds_fwd_struct():
+    bwd = _lib.FtBwdParams
+    assert bwd.fwd.offset == 0 and bwd.fwd.size == ctypes.sizeof(_lib.FtFwdParams)
+    # The pointers follow the embedded struct directly, the two int32 flags close it, and the size is a
+    # multiple of the 8-byte alignment (no tail padding hidden from the field list).
+    assert ctypes.alignment(bwd) == 8 and ctypes.sizeof(bwd) % 8 == 0
+    assert bwd.dout.offset == ctypes.sizeof(_lib.FtFwdParams)
+    assert bwd.deterministic.offset + 8 == ctypes.sizeof(bwd) == bwd.reserved.offset + 4
+    # Writing through .fwd writes into the enclosing struct (the ops fill it that way).
+    p = bwd()
+    p.fwd.head_dim, p.fwd.q = 136, 0x1000
+    copy = bwd.from_buffer_copy(p)
+    assert (copy.fwd.head_dim, copy.fwd.q) == (136, 0x1000)
+
+
+def test_bwd_semaphore_rows_constant():
+    m = re.search(r"#define FT_BWD_SEMAPHORE_ROWS (\d+)", _header(FLASH_API_H))
+    assert m is not None and int(m.group(1)) == _lib.BWD_SEMAPHORE_ROWS
 
 
 def test_ctypes_struct_layout_matches_c_compiler(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        pytest.skip("no C compiler found to compute the C layout of FtFwdParams")
-    names = [n for n, _ in _lib.FtFwdParams._fields_]
+        pytest.skip("no C compiler found to compute the C layout of FtFwdParams/FtBwdParams")
+    lines = []
+    for struct, cls in STRUCTS.items():
+        lines.append(f'  printf("{struct}.size %zu\\n", sizeof({struct}));\n')
+        lines += [f'  printf("{struct}.{n} %zu\\n", offsetof({struct}, {n}));\n' for n, _ in cls._fields_]
     prog = tmp_path / "layout.c"
     prog.write_text(
         '#include <stddef.h>\n#include <stdio.h>\n#include "common/flash_api.h"\n'
-        "int main(void) {\n"
-        '  printf("size %zu\\n", sizeof(FtFwdParams));\n'
-        + "".join(f'  printf("{n} %zu\\n", offsetof(FtFwdParams, {n}));\n' for n in names)
-        + "  return 0;\n}\n")
+        "int main(void) {\n" + "".join(lines) + "  return 0;\n}\n")
     exe = tmp_path / "layout"
     res = subprocess.run([cc, "-std=c99", "-I", ROOT, str(prog), "-o", str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = dict(line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True,
                                                        check=True).stdout.splitlines())
-    assert int(out["size"]) == ctypes.sizeof(_lib.FtFwdParams)
-    for n in names:
-        assert int(out[n]) == getattr(_lib.FtFwdParams, n).offset, n
+    for struct, cls in STRUCTS.items():
+        assert int(out[f"{struct}.size"]) == ctypes.sizeof(cls), struct
+        for n, _ in cls._fields_:
+            assert int(out[f"{struct}.{n}"]) == getattr(cls, n).offset, f"{struct}.{n}"
+
+
+# ---- the loader's checks, against a stand-in shared library ------------------------------------------
+
+class _Symbol:
+    def __init__(self, value):
+        self.value, self.restype, self.argtypes = value, None, None
+
+    def __call__(self, *args):
+        return self.value
+
+
+class _StandInCDLL:
+    """What ctypes.CDLL returns, with chosen answers; a symbol left out is missing (AttributeError)."""
+
+    def __init__(self, **symbols):
+        for name, value in symbols.items():
+            setattr(self, name, _Symbol(value))
+
+
+def _stand_in(**over):
+    cfg = {"kernels": []}
+    symbols = dict(ft_abi_version=_lib.ABI_VERSION, ft_fwd_params_size=ctypes.sizeof(_lib.FtFwdParams),
+                   ft_bwd_params_size=ctypes.sizeof(_lib.FtBwdParams), ft_build_config=json.dumps(cfg).encode(),
+                   ft_last_error=b"", ft_mha_fwd=0, ft_mha_bwd=0)
+    symbols.update(over)
+    return _StandInCDLL(**{k: v for k, v in symbols.items() if v is not None}), cfg
+
+
+@pytest.fixture
+def fake_library_dir(tmp_path, monkeypatch, fresh_config):
+    (tmp_path / "libflashtile.so").write_bytes(b"")
+    monkeypatch.setenv("FLASHTILE_LIBRARY_DIR", str(tmp_path))
+    monkeypatch.setattr(_lib, "_lib", None)
+
+    def use(lib, cfg):
+        (tmp_path / "build_config.json").write_text(json.dumps(cfg))
+        monkeypatch.setattr(_lib.ctypes, "CDLL", lambda path: lib)
+        return lib
+    return use
+
+
+def test_loader_configures_both_entry_points(fake_library_dir):
+    lib = fake_library_dir(*_stand_in())
+    assert _lib.lib() is lib
+    assert lib.ft_mha_bwd.argtypes == [ctypes.POINTER(_lib.FtBwdParams), ctypes.c_void_p]
+    assert lib.ft_mha_fwd.argtypes == [ctypes.POINTER(_lib.FtFwdParams), ctypes.c_void_p]
+    assert lib.ft_mha_bwd.restype is ctypes.c_int and lib.ft_bwd_params_size.restype is ctypes.c_int
+
+
+def test_loader_rejects_older_abi_before_looking_up_new_symbols(fake_library_dir):
+    # A version-2 library has no backward symbols: the error must be the ABI one, not an AttributeError.
+    fake_library_dir(*_stand_in(ft_abi_version=2, ft_bwd_params_size=None, ft_mha_bwd=None))
+    with pytest.raises(flashtile.LibraryNotAvailableError, match=r"ABI version 2, this Python package expects 3"):
+        _lib.lib()
+    assert _lib._lib is None
+
+
+@pytest.mark.parametrize("which", ["ft_fwd_params_size", "ft_bwd_params_size"])
+def test_loader_rejects_struct_size_mismatch(fake_library_dir, which):
+    struct = "FtFwdParams" if which == "ft_fwd_params_size" else "FtBwdParams"
+    size = ctypes.sizeof(getattr(_lib, struct))
+    fake_library_dir(*_stand_in(**{which: size + 8}))
+    with pytest.raises(flashtile.LibraryNotAvailableError, match=rf"{struct} of {size + 8} bytes.*expects {size}"):
+        _lib.lib()
 
 
 # ---- require_kernel / KernelNotBuiltError with a substituted build config ----------------------------

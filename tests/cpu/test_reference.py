@@ -386,3 +386,100 @@ def test_bad_varlen_arguments_raise():
                       query_padding_mask=torch.ones(1, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="4-D"):
         attention_ref(q, k, k)
+
+
+# ---- gradients: the GPU backward tests differentiate attention_ref with autograd ---------------------
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _grads(fn, q, k, v, dout, dlse):
+    """d/d(q, k, v) of <out, dout> + <lse, dlse> (lse terms only where lse is finite)."""
+    q, k, v = _leaves(q, k, v)
+    out, lse = fn(q, k, v)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout.to(out.dtype), dlse.to(lse.dtype)), allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, k, v))]
+
+
+@pytest.mark.parametrize("causal,window,softcap", [
+    (False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (2, 1), 0.0), (True, (-1, -1), 2.0), (False, (3, 0), 5.0),
+])
+def test_gradients_match_naive(causal, window, softcap):
+    """Autograd through attention_ref (float64) equals autograd through the per-row oracle, out and
+    lse both differentiated, with fully masked rows (sq > sk with causal) giving exactly 0 and no NaN."""
+    q, k, v = _qkv(2, 7, 5, 4, 2, 8, dtype=torch.float64, seed=21)
+    g = torch.Generator().manual_seed(22)
+    dout = torch.randn(2, 7, 4, 8, generator=g, dtype=torch.float64)
+    dlse = torch.randn(2, 4, 7, generator=g, dtype=torch.float64)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    ref = _grads(lambda q, k, v: attention_ref(q, k, v, compute_dtype=torch.float64, return_lse=True, **kw),
+                 q, k, v, dout, dlse)
+    oracle = _grads(lambda q, k, v: naive_attention(q, k, v, causal=causal, window=window, softcap=softcap),
+                    q, k, v, dout, dlse)
+    for name, a, b in zip("qkv", ref, oracle):
+        assert torch.isfinite(a).all(), f"d{name} has non-finite entries"
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"d{name}")
+    if causal:
+        assert torch.all(ref[0][:, :2] == 0)  # rows 0 and 1 see no key
+    assert ref[0].abs().max() > 0.1 and ref[1].abs().max() > 0.1 and ref[2].abs().max() > 0.1
+
+
+def test_lse_gradient_is_softmax_weighted_q_gradient():
+    """d lse / d q_i = scale * sum_j P_ij k_j: pins the lse path that the dlse GPU test relies on."""
+    q, k, v = _qkv(1, 3, 6, 2, 2, 8, dtype=torch.float64, seed=23)
+    q = q.requires_grad_(True)
+    _, lse = attention_ref(q, k, v, compute_dtype=torch.float64, return_lse=True)
+    (dq,) = torch.autograd.grad(lse.sum(), q)
+    scale = 8 ** -0.5
+    s = torch.einsum("bihd,bjhd->bhij", q.detach(), k) * scale
+    p = torch.softmax(s, dim=-1)
+    expect = torch.einsum("bhij,bjhd->bihd", p, k) * scale
+    torch.testing.assert_close(dq, expect, atol=1e-12, rtol=1e-12)
+
+
+def test_varlen_gradients_match_per_sequence_gradients():
+    lens_q, lens_k = [3, 0, 5, 2], [4, 3, 6, 0]
+    cu_q = torch.tensor([0, 3, 3, 8, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 7, 13, 13], dtype=torch.int32)
+    g = torch.Generator().manual_seed(24)
+    q = torch.randn(12, 4, 8, generator=g, dtype=torch.float64)  # rows 10, 11: in no sequence
+    k = torch.randn(13, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(13, 2, 8, generator=g, dtype=torch.float64)
+    dout = torch.randn(12, 4, 8, generator=g, dtype=torch.float64)
+    dlse = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    dq, dk, dv = _grads(lambda q, k, v: attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                                      compute_dtype=torch.float64, return_lse=True),
+                        q, k, v, dout, dlse)
+    assert torch.all(dq[10:] == 0) and torch.all(dq[8:10] == 0)  # no sequence; a sequence with no keys
+    for b in range(4):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lens_q[b] == 0:
+            assert torch.all(dk[ks] == 0) and torch.all(dv[ks] == 0)
+            continue
+        if lens_k[b] == 0:
+            continue
+        gq, gk, gv = _grads(lambda q, k, v: attention_ref(q, k, v, causal=True, compute_dtype=torch.float64,
+                                                          return_lse=True),
+                            q[None, qs], k[None, ks], v[None, ks], dout[None, qs], dlse[None, :, qs])
+        torch.testing.assert_close(dq[qs], gq[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(dk[ks], gk[0], atol=1e-12, rtol=0)
+        torch.testing.assert_close(dv[ks], gv[0], atol=1e-12, rtol=0)
+
+
+def test_low_precision_gradients_are_finite_and_close():
+    """upcast=False (the tolerance rule's low-precision torch result) differentiates too: finite, exact 0
+    on fully masked rows, and near the float64 gradients."""
+    q, k, v = _qkv(2, 9, 6, 4, 1, 16, seed=25)
+    g = torch.Generator().manual_seed(26)
+    dout, dlse = torch.randn(2, 9, 4, 16, generator=g), torch.randn(2, 4, 9, generator=g)
+    low = _grads(lambda q, k, v: attention_ref(q, k, v, causal=True, upcast=False, return_lse=True),
+                 q.bfloat16(), k.bfloat16(), v.bfloat16(), dout.bfloat16(), dlse)
+    ref = _grads(lambda q, k, v: attention_ref(q, k, v, causal=True, compute_dtype=torch.float64, return_lse=True),
+                 q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), dout.bfloat16().double(),
+                 dlse.double())
+    for name, a, b in zip("qkv", low, ref):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all(), f"d{name}"
+        err = (a.double() - b).abs().max().item()
+        assert err <= 0.05 * b.abs().max().item(), f"d{name}: {err}"
+    assert torch.all(low[0][:, :3] == 0)

@@ -9,7 +9,8 @@ poison_allocator) so that any element the kernel fails to write is NaN and fails
 Covered: every built dtype and head dim, the "ampere" and "auto" paths, causal, local windows,
 softcap, MHA/GQA/MQA, batch 1 and 3, odd and unequal sequence lengths, fully masked rows, varlen
 (empty sequences included), seqused_q/k, KV caches, head dims inside a bucket, strided views, the
-qkv-packed layout, determinism, and the backward pass raising NotImplementedError.
+qkv-packed layout, determinism, and forward calls with inputs that require grad (the backward pass
+itself is tested in test_bwd.py).
 """
 import zlib
 
@@ -538,13 +539,16 @@ def test_fwd_deterministic(dtype, hdim, causal, seed):
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
-def test_backward_not_implemented():
+def test_forward_with_inputs_requiring_grad():
+    """The outputs join the autograd graph (the backward itself: test_bwd.py), hold the same values as
+    without grad, and no_grad calls record nothing."""
     name, d, dv = _any_built()
     q, k, v = random_qkv(1, 17, 17, 2, 2, d, dv, dtype=DTYPES[name], device="cuda", seed=1, requires_grad=True)
-    out = flash_attn_func(q, k, v)
-    assert out.requires_grad and out.grad_fn is not None
-    with pytest.raises(NotImplementedError, match=r"backward pass is not implemented"):
-        out.float().sum().backward()
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.requires_grad and out.grad_fn is not None and lse.grad_fn is not None
+    out_d, lse_d = flash_attn_func(q.detach(), k.detach(), v.detach(), return_attn_probs=True)
+    assert not out_d.requires_grad
+    assert torch.equal(out.detach(), out_d) and torch.equal(lse.detach(), lse_d)
     with torch.no_grad():
         out = flash_attn_func(q, k, v)
     assert not out.requires_grad

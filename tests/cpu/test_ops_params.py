@@ -1,0 +1,289 @@
+"""What the ops hand to the C ABI, checked without a GPU: the ops' implementations run on CPU tensors
+against a stand-in library that records the FtFwdParams / FtBwdParams it receives (pointers, element
+strides, geometry, workspaces) and can fail the call. Host memory is readable at the recorded
+addresses, so workspace contents (zeroed semaphores, zeroed gradients) are checked at call time.
+"""
+import ctypes
+import math
+import sys
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import _lib, ops
+
+BC = sys.modules["flashtile.build_config"]
+BF16 = torch.bfloat16
+
+
+class StandInLibrary:
+    """Records each call's params struct (a copy) and what the buffers held at call time."""
+
+    def __init__(self, rc=_lib.OK, error=""):
+        self.rc, self.error = rc, error
+        self.fwd_calls, self.bwd_calls = [], []
+
+    def ft_mha_fwd(self, params_ref, stream):
+        p = params_ref._obj
+        assert isinstance(p, _lib.FtFwdParams)
+        self.fwd_calls.append((_lib.FtFwdParams.from_buffer_copy(p), stream.value))
+        return self.rc
+
+    def ft_mha_bwd(self, params_ref, stream):
+        p = params_ref._obj
+        assert isinstance(p, _lib.FtBwdParams)
+        seen = {}
+        if p.dq_semaphore:
+            n = self.semaphore_len
+            seen["semaphore"] = list((ctypes.c_int32 * n).from_address(p.dq_semaphore))
+        for name in ("dq", "dk", "dv", "dout"):
+            n = self.numel[name]
+            # 16-bit elements; zero is all-zero bits in bf16 and fp16.
+            seen[name] = torch.tensor(list((ctypes.c_int16 * n).from_address(getattr(p, name))), dtype=torch.int16)
+        if p.dlse:
+            seen["dlse"] = torch.tensor(list((ctypes.c_float * self.numel["lse"]).from_address(p.dlse)))
+        self.bwd_calls.append((_lib.FtBwdParams.from_buffer_copy(p), stream.value, seen))
+        return self.rc
+
+    def ft_last_error(self):
+        return self.error.encode()
+
+
+@pytest.fixture
+def lib(monkeypatch):
+    stand_in = StandInLibrary()
+    monkeypatch.setattr(_lib, "lib", lambda: stand_in)
+    monkeypatch.setattr(ops, "_current_stream", lambda device: 0x5EED)
+    return stand_in
+
+
+def _rand(*shape, dtype=BF16):
+    return torch.randn(*shape).to(dtype)
+
+
+def _fwd_args(q, k, v, cu_q=None, cu_k=None, used_q=None, used_k=None, max_q=None, max_k=None, scale=0.125,
+              causal=False, left=-1, right=-1, softcap=0.0, path=_lib.PATHS["ampere"]):
+    max_q = q.shape[1] if max_q is None else max_q
+    max_k = k.shape[1] if max_k is None else max_k
+    return (q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, left, right, softcap, path)
+
+
+def _bwd(lib, dout, q, k, v, out, lse, dlse=None, *, deterministic=False, **kw):
+    args = _fwd_args(q, k, v, **kw)
+    lib.numel = {"dq": q.numel(), "dk": k.numel(), "dv": v.numel(), "dout": dout.numel(), "lse": lse.numel()}
+    max_q = args[7]
+    batch = args[3].shape[0] - 1 if args[3] is not None else q.shape[0]
+    lib.semaphore_len = batch * q.shape[-2] * math.ceil(max_q / _lib.BWD_SEMAPHORE_ROWS)
+    return ops._bwd_impl(dout, q, k, v, out, lse, dlse, *args[3:14], deterministic, args[14])
+
+
+def _strides3(t, varlen=False):
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _fields(p, prefix, n=3):
+    names = ("batch", "row", "head")[:n] if n == 3 else ("batch", "head")
+    return tuple(getattr(p, f"{prefix}_{s}_stride") for s in names)
+
+
+# ---- the forward struct ------------------------------------------------------------------------------
+
+def test_fwd_params_padded(lib):
+    q = _rand(3, 17, 6, 128)
+    kv = _rand(3, 40, 2, 2, 128)
+    k, v = kv[:, :, 0], kv[:, :, 1]  # strided views of one packed tensor
+    out, lse = ops._fwd_impl(*_fwd_args(q, k, v, scale=0.3, causal=True, left=8, right=0, softcap=5.0))
+    ((p, stream),) = lib.fwd_calls
+    assert stream == 0x5EED
+    assert (p.q, p.k, p.v, p.out, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+    assert _fields(p, "q") == q.stride()[:3] and _fields(p, "k") == k.stride()[:3] and _fields(p, "v") == v.stride()[:3]
+    assert _fields(p, "o") == out.stride()[:3] and _fields(p, "lse", 2) == lse.stride()[:2]
+    assert not (p.cu_seqlens_q or p.cu_seqlens_k or p.seqused_q or p.seqused_k)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k) == (3, 17, 40, 17, 40)
+    assert (p.num_heads, p.num_heads_k, p.head_dim, p.head_dim_v) == (6, 2, 128, 128)
+    assert (p.softmax_scale, p.softcap) == (pytest.approx(0.3), 5.0)
+    assert (p.window_left, p.window_right, p.is_causal) == (8, 0, 1)
+    assert (p.dtype, p.path, p.device) == (_lib.DTYPE_BF16, _lib.PATHS["ampere"], -1)  # CPU: no device index
+    assert out.shape == (3, 17, 6, 128) and lse.shape == (3, 6, 17)
+
+
+def test_fwd_params_varlen(lib):
+    fp16 = torch.float16
+    q, k, v = _rand(11, 4, 64, dtype=fp16), _rand(23, 2, 64, dtype=fp16), _rand(23, 2, 64, dtype=fp16)
+    cu_q = torch.tensor([0, 5, 5, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 20, 23], dtype=torch.int32)
+    used_k = torch.tensor([3, 10, 1], dtype=torch.int32)
+    out, lse = ops._fwd_impl(*_fwd_args(q, k, v, cu_q, cu_k, None, used_k, max_q=6, max_k=17))
+    ((p, _),) = lib.fwd_calls
+    assert _fields(p, "q") == (0, q.stride(0), q.stride(1)) and _fields(p, "k") == (0, k.stride(0), k.stride(1))
+    assert _fields(p, "o") == (0, out.stride(0), out.stride(1)) and _fields(p, "lse", 2) == (0, lse.stride(0))
+    assert (p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k) == (cu_q.data_ptr(), cu_k.data_ptr(), used_k.data_ptr())
+    assert not p.seqused_q
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k) == (3, 6, 17, 11, 23)
+    assert p.dtype == _lib.DTYPE_FP16
+    assert out.shape == (11, 4, 64) and lse.shape == (4, 11)
+
+
+# ---- the backward struct -----------------------------------------------------------------------------
+
+def _padded_case(b=2, sq=70, sk=33, h=6, hk=2, d=128, dv=128):
+    q, k, v = _rand(b, sq, h, d), _rand(b, sk, hk, d), _rand(b, sk, hk, dv)
+    out, lse = _rand(b, sq, h, dv), torch.randn(b, h, sq)
+    return q, k, v, out, lse
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_params_padded(lib, deterministic):
+    q, k, v, out, lse = _padded_case()
+    dout, dlse = _rand(*out.shape), torch.randn(lse.shape)
+    dq, dk, dv = _bwd(lib, dout, q, k, v, out, lse, dlse, deterministic=deterministic, scale=0.2, causal=True,
+                      right=0, path=_lib.PATHS["auto"])
+    ((p, stream, seen),) = lib.bwd_calls
+    assert stream == 0x5EED and not lib.fwd_calls
+    # The forward description, exactly as the forward op fills it.
+    f = p.fwd
+    assert (f.q, f.k, f.v, f.out, f.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
+    assert _fields(f, "q") == q.stride()[:3] and _fields(f, "o") == out.stride()[:3]
+    assert _fields(f, "lse", 2) == lse.stride()[:2]
+    assert (f.batch, f.seqlen_q, f.seqlen_k, f.rows_q, f.rows_k, f.num_heads, f.num_heads_k) == (2, 70, 33, 70, 33, 6, 2)
+    assert (f.softmax_scale, f.is_causal, f.window_left, f.window_right, f.path) == (
+        pytest.approx(0.2), 1, -1, 0, _lib.PATHS["auto"])
+    # Gradients: contiguous, shaped like q/k/v, returned as passed.
+    for g, like, name in ((dq, q, "dq"), (dk, k, "dk"), (dv, v, "dv")):
+        assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous()
+        assert getattr(p, name) == g.data_ptr()
+        assert _fields(p, name) == g.stride()[:3]
+    # dout and dlse are read in place when the kernels can.
+    assert p.dout == dout.data_ptr() and _fields(p, "do") == dout.stride()[:3]
+    assert p.dlse == dlse.data_ptr()
+    # Workspaces: distinct, 16-byte aligned; dq_accum has q's contiguous layout.
+    ws = [p.dq_accum, p.dsoftmax_sum, p.lse_log2]
+    assert len(set(ws)) == 3 and all(a % 16 == 0 for a in ws)
+    assert _fields(p, "dq_accum") == (70 * 6 * 128, 6 * 128, 128)
+    if deterministic:
+        assert p.deterministic == 1 and p.dq_semaphore
+        assert seen["semaphore"] == [0] * (2 * 6 * 2)  # batch * heads * ceil(70 / 64), zeroed
+    else:
+        assert p.deterministic == 0 and not p.dq_semaphore
+    assert p.reserved == 0
+
+
+def test_bwd_copies_what_the_kernels_cannot_read(lib):
+    q, k, v, out, lse = _padded_case()
+    dout = _rand(1, 1, 6, 128).expand(out.shape)  # what out.sum().backward() sends: stride-0 dims
+    dlse = torch.randn(2, 70, 6).transpose(1, 2)   # not lse's layout (dlse has no strides of its own)
+    _bwd(lib, dout, q, k, v, out, lse, dlse)
+    ((p, _, seen),) = lib.bwd_calls
+    assert p.dout != dout.data_ptr() and p.dout % 16 == 0
+    assert _fields(p, "do") == (70 * 6 * 128, 6 * 128, 128)
+    assert p.dlse != dlse.data_ptr() and p.dlse % 16 == 0
+    # The copies hold the values, in the layouts the struct describes (read at call time).
+    assert torch.equal(seen["dout"].view(BF16), dout.reshape(-1))
+    assert torch.equal(seen["dlse"], dlse.reshape(-1))  # lse's (b, h, sq) order, not dlse's storage order
+
+
+def test_bwd_strided_dout_with_aligned_strides_is_read_in_place(lib):
+    q, k, v, out, lse = _padded_case()
+    dout = _rand(2, 6, 70, 128).transpose(1, 2)  # head-major storage: strides are multiples of 8 elements
+    _bwd(lib, dout, q, k, v, out, lse)
+    ((p, _, _),) = lib.bwd_calls
+    assert p.dout == dout.data_ptr() and _fields(p, "do") == dout.stride()[:3]
+    assert not p.dlse
+
+
+def test_bwd_misaligned_dout_is_copied(lib):
+    q, k, v, out, lse = _padded_case()
+    base = _rand(out.numel() + 4)
+    dout = base[4:].view(out.shape)  # contiguous, but 8 bytes off a 16-byte boundary
+    assert dout.is_contiguous() and dout.data_ptr() % 16 != 0
+    _bwd(lib, dout, q, k, v, out, lse)
+    ((p, _, _),) = lib.bwd_calls
+    assert p.dout != dout.data_ptr() and p.dout % 16 == 0
+
+
+def test_bwd_params_varlen_and_zeroed_gradients(lib):
+    h, hk, d = 4, 2, 64
+    cu_q = torch.tensor([0, 5, 5, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 20, 23], dtype=torch.int32)
+    q, k, v = _rand(13, h, d), _rand(25, hk, d), _rand(25, hk, d)  # rows past cu[-1]: gaps
+    out, lse = _rand(13, h, d), torch.randn(h, 13)
+    dq, dk, dv = _bwd(lib, _rand(13, h, d), q, k, v, out, lse, cu_q=cu_q, cu_k=cu_k, max_q=6, max_k=17,
+                      deterministic=True)
+    ((p, _, seen),) = lib.bwd_calls
+    f = p.fwd
+    assert (f.batch, f.seqlen_q, f.seqlen_k, f.rows_q, f.rows_k) == (3, 6, 17, 13, 25)
+    assert (f.cu_seqlens_q, f.cu_seqlens_k) == (cu_q.data_ptr(), cu_k.data_ptr())
+    for name, heads in (("do", h), ("dq", h), ("dq_accum", h), ("dk", hk), ("dv", hk)):
+        assert _fields(p, name) == (0, heads * d, d), name  # packed rows: batch stride 0
+    # Rows outside every sequence are not written by the kernels: the gradients start zeroed.
+    assert not (seen["dq"].any() or seen["dk"].any() or seen["dv"].any())
+    assert seen["semaphore"] == [0] * (3 * h * 1)
+
+
+def test_bwd_seqused_k_zeroes_dk_dv(lib):
+    q, k, v, out, lse = _padded_case(b=2, sq=9, sk=40, h=4, hk=1)
+    used_k = torch.tensor([10, 0], dtype=torch.int32)
+    _bwd(lib, _rand(*out.shape), q, k, v, out, lse, used_k=used_k)
+    ((p, _, seen),) = lib.bwd_calls
+    assert p.fwd.seqused_k == used_k.data_ptr()
+    assert not (seen["dk"].any() or seen["dv"].any())
+
+
+@pytest.mark.parametrize("case", ["empty-q", "empty-k", "max-seqlen-k-0", "max-seqlen-q-0", "batch-0"])
+def test_bwd_empty_problems_launch_nothing(lib, case):
+    h, hk, d = 4, 2, 64
+    kw = {}
+    if case == "empty-q":
+        q, k, v = _rand(2, 0, h, d), _rand(2, 9, hk, d), _rand(2, 9, hk, d)
+    elif case == "empty-k":
+        q, k, v = _rand(2, 5, h, d), _rand(2, 0, hk, d), _rand(2, 0, hk, d)
+    elif case == "max-seqlen-k-0":
+        q, k, v = _rand(7, h, d), _rand(3, hk, d), _rand(3, hk, d)
+        kw = dict(cu_q=torch.tensor([0, 7], dtype=torch.int32), cu_k=torch.tensor([0, 0], dtype=torch.int32),
+                  max_q=7, max_k=0)
+    elif case == "max-seqlen-q-0":
+        q, k, v = _rand(3, h, d), _rand(8, hk, d), _rand(8, hk, d)
+        kw = dict(cu_q=torch.tensor([0, 0], dtype=torch.int32), cu_k=torch.tensor([0, 8], dtype=torch.int32),
+                  max_q=0, max_k=8)
+    else:
+        q, k, v = _rand(3, h, d), _rand(8, hk, d), _rand(8, hk, d)
+        kw = dict(cu_q=torch.tensor([0], dtype=torch.int32), cu_k=torch.tensor([0], dtype=torch.int32),
+                  max_q=0, max_k=0)
+    varlen = "cu_q" in kw
+    out = _rand(*q.shape)
+    lse = torch.randn(h, q.shape[0]) if varlen else torch.randn(q.shape[0], h, q.shape[1])
+    dq, dk, dv = _bwd(lib, torch.ones_like(out), q, k, v, out, lse, **kw)
+    assert not lib.bwd_calls
+    for g, like in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous()
+        assert torch.all(g == 0)
+
+
+# ---- error mapping -----------------------------------------------------------------------------------
+
+def test_bwd_not_built_raises_kernel_not_built_error(lib, monkeypatch):
+    cfg = dict(kernel_set="test", archs=["80"], kernels=[
+        dict(name="ampere_fwd_bf16_hd128x128_none", op="fwd", path="ampere", dtype="bf16", head_dim=128,
+             head_dim_v=128, mask="none", softcap=False)])
+    monkeypatch.setattr(_lib, "installed_build_config", lambda: cfg)
+    BC.build_config.cache_clear()
+    try:
+        lib.rc, lib.error = _lib.NOT_BUILT, "no backward kernel built for path=hopper dtype=bf16"
+        q, k, v, out, lse = _padded_case()
+        with pytest.raises(flashtile.KernelNotBuiltError,
+                           match=r"no backward kernel built for path=hopper.*This build has: fwd ampere bf16"):
+            _bwd(lib, _rand(*out.shape), q, k, v, out, lse, path=_lib.PATHS["hopper"])
+    finally:
+        BC.build_config.cache_clear()
+
+
+@pytest.mark.parametrize("rc", [_lib.INVALID_ARGUMENT, _lib.UNSUPPORTED_DEVICE, _lib.CUDA_ERROR])
+def test_bwd_failure_raises_kernel_error(lib, rc):
+    lib.rc, lib.error = rc, "something broke"
+    q, k, v, out, lse = _padded_case()
+    with pytest.raises(ops.KernelError, match=rf"backward failed \(status {rc}\): something broke"):
+        _bwd(lib, _rand(*out.shape), q, k, v, out, lse)
+    lib.bwd_calls.clear()
+    with pytest.raises(ops.KernelError, match=rf"forward failed \(status {rc}\): something broke"):
+        ops._fwd_impl(*_fwd_args(q, k, v))
