@@ -7,9 +7,11 @@
 // through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
 // the fp32 dq accumulator with atomics (in n_block order per query block in deterministic mode).
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
-// expanded K/V. The next Q/dO tile loads (cp.async) while dQ is computed and accumulated.
-// Synchronization (one buffer each for Q, dO, P, dS): after each wait for Q/dO; after P/dS are
-// written; after the dK/dV GEMMs, before the next Q/dO load overwrites their operands.
+// expanded K/V.
+// Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 2 is issued
+// once step s's buffers are free, so it has a whole step to land; one cp.async group per step.
+// Synchronization: after each wait for Q/dO; after P/dS are written; after the dK/dV GEMMs, before a
+// Q/dO load overwrites their operands.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -96,8 +98,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   extern __shared__ char smem_[];
   Element* smem = reinterpret_cast<Element*>(smem_);
-  constexpr int kOffdO = Traits::kSmemQ;
-  constexpr int kOffK = kOffdO + Traits::kSmemdO;
+  // [Q x kQStages][dO x kQStages][K][V][P][dS]; a stage is a whole number of swizzle periods, so a
+  // partition of stage 0 plus the stage's offset is the same partition of that stage.
+  constexpr int kQStages = Traits::kQStages;
+  constexpr int kOffdO = kQStages * Traits::kSmemQ;
+  constexpr int kOffK = kOffdO + kQStages * Traits::kSmemdO;
   constexpr int kOffV = kOffK + Traits::kSmemK;
   constexpr int kOffP = kOffV + Traits::kSmemV;
   constexpr int kOffdS = kOffP + Traits::kSmemPdS;
@@ -135,11 +140,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   for (int k = 0; k < size(tQKp); ++k) { tQKp(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim; }
   CUTE_UNROLL
   for (int k = 0; k < size(tVp); ++k) { tVp(k) = get<1>(tdOcdO(0, 0, k)) < p.head_dim_v; }
+  auto at_stage = [](auto const& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
   auto load_q_do = [&](int step) {
     auto tiles = q_tiles(step);
+    int const stage = step % kQStages;
     int const rows = seq.seqlen_q - (m_block_min + step % num_m_blocks) * kBlockM;
-    copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(get<0>(tiles)), tQsQ, tQcQ, tQKp, rows);
-    copy_tile(gmem_copy_v, gmem_thr_v.partition_S(get<1>(tiles)), tdOsdO, tdOcdO, tVp, rows);
+    Tensor tQsQ_s = at_stage(tQsQ, stage * Traits::kSmemQ);
+    Tensor tdOsdO_s = at_stage(tdOsdO, stage * Traits::kSmemdO);
+    copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(get<0>(tiles)), tQsQ_s, tQcQ, tQKp, rows);
+    copy_tile(gmem_copy_v, gmem_thr_v.partition_S(get<1>(tiles)), tdOsdO_s, tdOcdO, tVp, rows);
   };
 
   // S = Q K^T and dP = dO V^T.
@@ -209,6 +218,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     copy_tile(gmem_copy_v, gmem_thr_v.partition_S(gV), tVsV, tVcV, tVp, rows_k);
     load_q_do(0);
     cp_async_fence();
+    if (kQStages > 1 && num_steps > 1) { load_q_do(1); }
+    cp_async_fence();  // possibly empty: one group per step keeps the wait count uniform
   }
 
   for (int step = 0; step < num_steps; ++step) {
@@ -223,12 +234,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       lse_log2[mi] = row < seq.seqlen_q ? b.lse_log2[row_off + row] : INFINITY;
       dsum[mi] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
     }
-    cp_async_wait<0>();
-    __syncthreads();  // Q/dO (and K/V) visible; every thread is done reading the previous dS
+    int const q_off = (step % kQStages) * Traits::kSmemQ;
+    int const do_off = (step % kQStages) * Traits::kSmemdO;
+    cp_async_wait<kQStages - 1>();  // all but the newest group (the next step's Q/dO when buffered)
+    __syncthreads();  // this step's Q/dO (and K/V) visible; every thread is done reading the previous dS
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, q_off), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
     Tensor dtanh = make_fragment_like(acc_s);
     if constexpr (kHasSoftcap) {
       CUTE_UNROLL
@@ -254,7 +267,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
     Tensor dp = rowcol(acc_dp);
     Tensor dtanh_rc = rowcol(dtanh);
     CUTE_UNROLL
@@ -270,13 +283,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // P and dS visible
 
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-    __syncthreads();  // every thread is done with Q, dO and P
-    if (step + 1 < num_steps) {
-      load_q_do(step + 1);
-      cp_async_fence();
-    }
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    __syncthreads();  // every thread is done with this step's Q, dO and P
+    if (step + kQStages < num_steps) { load_q_do(step + kQStages); }
+    cp_async_fence();
 
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_dq);

@@ -24,6 +24,7 @@ struct BwdTraits {
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kQStages = kTile.q_stages;
   static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0);
   static_assert(kBlockM % FT_BWD_SEMAPHORE_ROWS == 0, "dq_semaphore is indexed in units of FT_BWD_SEMAPHORE_ROWS");
 
@@ -61,7 +62,8 @@ struct BwdTraits {
   static constexpr int kSmemK = cosize(SmemLayoutK{});
   static constexpr int kSmemV = cosize(SmemLayoutV{});
   static constexpr int kSmemPdS = cosize(SmemLayoutPdS{});
-  static constexpr int kSmemBytes = int(sizeof(Element)) * (kSmemQ + kSmemdO + kSmemK + kSmemV + 2 * kSmemPdS);
+  static constexpr int kSmemBytes =
+      int(sizeof(Element)) * (kQStages * (kSmemQ + kSmemdO) + kSmemK + kSmemV + 2 * kSmemPdS);
 };
 
 }  // namespace flashtile::ampere

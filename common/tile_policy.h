@@ -23,8 +23,8 @@ constexpr FwdTile ampere_fwd_tile(int head_dim) {
 // warp layouts (rows x cols of warps) tile the three GEMM shapes: S/dP (block_m x block_n), dK/dV
 // (block_n x d) and dQ (block_m x d). The dK/dV accumulators (2 * block_n * d fp32 over the CTA) set
 // the register budget: block_n 128 up to d = 128, 64 above.
-// Shared memory: Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n), 16-bit:
-// d = 64: 80 KB, d = 128: 128 KB, d = 256: 144 KB.
+// Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
+// 16-bit: d = 64: 96 KB, d = 128: 160 KB, d = 192: 160 KB, d = 256: 144 KB.
 struct BwdTile {
   int block_m;
   int block_n;
@@ -32,10 +32,14 @@ struct BwdTile {
   int warps_m_sdp;  // warps along block_m for S = Q K^T and dP = dO V^T (the rest along block_n)
   int warps_n_dkv;  // warps along block_n for dK/dV (the rest along d)
   int warps_m_dq;   // warps along block_m for dQ (the rest along d)
+  int q_stages;     // Q/dO buffers: 2 loads the next query block during the whole current one
 };
 
+// Double-buffered Q/dO where the total stays within sm_80's 163 KB (d = 256 would need 208 KB).
 constexpr BwdTile ampere_bwd_tile(int head_dim) {
-  return head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 4} : BwdTile{64, 64, 8, 2, 4, 4};
+  return head_dim <= 128   ? BwdTile{64, 128, 8, 2, 4, 4, 2}
+         : head_dim <= 192 ? BwdTile{64, 64, 8, 2, 4, 4, 2}
+                           : BwdTile{64, 64, 8, 2, 4, 4, 1};
 }
 
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
