@@ -203,7 +203,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
   auto thr_dq_b = copy_dq_b.get_thread_slice(tidx);
   Tensor tdQsKt = thr_dq_b.partition_S(sKt);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
   Tensor tScS_rc = rowcol(tScS);
@@ -226,13 +225,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     int const bidh = bidh_k * group + step / num_m_blocks;
     int const m_block = m_block_min + step % num_m_blocks;
     int64_t const row_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-    // Per-row LSE (exp2 domain) and D of this thread's score rows; rows past seqlen_q contribute 0.
-    float lse_log2[kRows], dsum[kRows];
+    // Per-row LSE (exp2 domain) of this thread's score rows; rows past seqlen_q get P = 0.
+    float lse_log2[kRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
       lse_log2[mi] = row < seq.seqlen_q ? b.lse_log2[row_off + row] : INFINITY;
-      dsum[mi] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
     }
     int const q_off = (step % kQStages) * Traits::kSmemQ;
     int const do_off = (step % kQStages) * Traits::kSmemdO;
@@ -264,6 +262,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     Tensor rP = convert_fragment<Element>(acc_s);
     copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+    // D of the same rows, loaded here so the load overlaps the dP GEMM and its registers live shortly.
+    float dsum[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
+      dsum[mi] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
+    }
 
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
@@ -300,14 +305,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
       wait_dq_turn(semaphore, n_block - n_block_lo);
     }
-    float* dq_acc = b.dq_accum + seq.q_like_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
-                    bidh * b.dq_accum_head_stride;
+    // Unpredicated adds: the accumulator is padded to whole tiles, and rows past seqlen_q / columns
+    // past head_dim add exact zeros (P = 0 there; K's padding columns are zero-filled).
+    Tensor gdQacc = make_tensor(make_gmem_ptr(b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                                              bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride),
+                                Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(b.dq_accum_row_stride, _1{}));
+    Tensor tdQgdQacc = thr_dq.partition_C(gdQacc);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
-      int const row = m_block * kBlockM + get<0>(tdQcdQ(i));
-      int const col = get<1>(tdQcdQ(i));
-      if (row < seq.seqlen_q && col < p.head_dim) { atomicAdd(dq_acc + row * b.dq_accum_row_stride + col, acc_dq(i)); }
-    }
+    for (int i = 0; i < size(acc_dq); ++i) { red_add(&tdQgdQacc(i), acc_dq(i)); }
     if (b.deterministic) { pass_dq_turn(semaphore); }
   }
 

@@ -64,6 +64,12 @@ CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout const& acc) {
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
+// Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM
+// that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).
+CUTE_DEVICE void red_add(float* ptr, float value) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
+}
+
 // Global <-> shared tile copy with row and column predicates; elements outside the tensor are zeroed
 // so that padded K/V rows cannot inject NaN through 0 * garbage.
 template <bool kClearOob = true, class TiledCopy, class TensorS, class TensorD, class TensorC, class TensorP>

@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
   Element const* o_ptr = static_cast<Element const*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
   Element const* do_ptr = static_cast<Element const*>(b.dout) +
                           seq.q_like_offset(p, bidb, b.do_batch_stride, b.do_row_stride) + bidh * b.do_head_stride;
-  float* acc_ptr = b.dq_accum + seq.q_like_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+  float* acc_ptr = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
                    bidh * b.dq_accum_head_stride;
   int64_t const lse_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
 
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
   int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kVec = 8;  // 8 fp32 in, 8 16-bit out (16 bytes)
 
-  float const* acc_ptr = b.dq_accum + seq.q_like_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+  float const* acc_ptr = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
                          bidh * b.dq_accum_head_stride;
   Element* dq_ptr = static_cast<Element*>(b.dq) + seq.q_like_offset(p, bidb, b.dq_batch_stride, b.dq_row_stride) +
                     bidh * b.dq_head_stride;

@@ -55,6 +55,11 @@ struct SeqInfo {
   CUTE_DEVICE int64_t q_like_offset(FtFwdParams const& p, int bidb, int64_t batch_stride, int64_t row_stride) const {
     return p.cu_seqlens_q ? q_row0 * row_stride : int64_t(bidb) * batch_stride;
   }
+  // The backward's fp32 dq accumulator: packed batches are spaced FT_BWD_ACCUM_ROW_PAD rows apart so a
+  // tile running past a sequence's end never reaches the next one (see FtBwdParams).
+  CUTE_DEVICE int64_t dq_accum_offset(FtFwdParams const& p, int bidb, int64_t batch_stride, int64_t row_stride) const {
+    return p.cu_seqlens_q ? (q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb) * row_stride : int64_t(bidb) * batch_stride;
+  }
   CUTE_DEVICE int64_t k_like_offset(FtFwdParams const& p, int bidb, int64_t batch_stride, int64_t row_stride) const {
     return p.cu_seqlens_k ? k_row0 * row_stride : int64_t(bidb) * batch_stride;
   }

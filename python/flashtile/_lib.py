@@ -13,6 +13,7 @@ import threading
 
 ABI_VERSION = 3  # must equal FT_ABI_VERSION in common/flash_api.h
 BWD_SEMAPHORE_ROWS = 64  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
+BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
 
 # FtStatus
 OK, INVALID_ARGUMENT, NOT_BUILT, UNSUPPORTED_DEVICE, CUDA_ERROR = 0, 1, 2, 3, 4

@@ -158,6 +158,18 @@ def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
     return make(like.shape, dtype=like.dtype, device=like.device)
 
 
+def _dq_accum(q: torch.Tensor, batch: int, varlen: bool) -> torch.Tensor:
+    """The fp32 dq accumulator (FtBwdParams.dq_accum): q's layout with the head dim rounded up to its
+    bucket and rows padded by FT_BWD_ACCUM_ROW_PAD (per batch element when packed)."""
+    from .build_config import head_dim_bucket
+    pad = _lib.BWD_ACCUM_ROW_PAD
+    d = head_dim_bucket(q.shape[-1])
+    if varlen:
+        return torch.empty(q.shape[0] + pad * batch, q.shape[1], d, dtype=torch.float32, device=q.device)
+    b, sq, h = q.shape[:3]
+    return torch.empty(b, -(-sq // pad) * pad, h, d, dtype=torch.float32, device=q.device)
+
+
 def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic, path):
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
@@ -175,7 +187,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     if dlse is not None and (dlse.stride() != lse.stride() or dlse.data_ptr() % 16 != 0):
         dlse = torch.empty_like(lse).copy_(dlse)  # dlse has no strides of its own in the ABI: lse's layout
     # Workspaces (fp32, through torch's allocator; cleared or written by the kernels' preprocess).
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # q's layout, head dim d
+    dq_accum = _dq_accum(q, batch, varlen_q)
     dsoftmax_sum = torch.empty_like(lse)
     lse_log2 = torch.empty_like(lse)
     dq_semaphore = None

@@ -326,6 +326,8 @@ def test_bwd_struct_embeds_fwd_struct():
 def test_bwd_semaphore_rows_constant():
     m = re.search(r"#define FT_BWD_SEMAPHORE_ROWS (\d+)", _header(FLASH_API_H))
     assert m is not None and int(m.group(1)) == _lib.BWD_SEMAPHORE_ROWS
+    m = re.search(r"#define FT_BWD_ACCUM_ROW_PAD (\d+)", _header(FLASH_API_H))
+    assert m is not None and int(m.group(1)) == _lib.BWD_ACCUM_ROW_PAD
 
 
 def test_ctypes_struct_layout_matches_c_compiler(tmp_path):

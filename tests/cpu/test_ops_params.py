@@ -157,10 +157,10 @@ def test_bwd_params_padded(lib, deterministic):
     # dout and dlse are read in place when the kernels can.
     assert p.dout == dout.data_ptr() and _fields(p, "do") == dout.stride()[:3]
     assert p.dlse == dlse.data_ptr()
-    # Workspaces: distinct, 16-byte aligned; dq_accum has q's contiguous layout.
+    # Workspaces: distinct, 16-byte aligned; dq_accum is q's layout padded to whole 128-row tiles.
     ws = [p.dq_accum, p.dsoftmax_sum, p.lse_log2]
     assert len(set(ws)) == 3 and all(a % 16 == 0 for a in ws)
-    assert _fields(p, "dq_accum") == (70 * 6 * 128, 6 * 128, 128)
+    assert _fields(p, "dq_accum") == (128 * 6 * 128, 6 * 128, 128)
     if deterministic:
         assert p.deterministic == 1 and p.dq_semaphore
         assert seen["semaphore"] == [0] * (2 * 6 * 2)  # batch * heads * ceil(70 / 64), zeroed
@@ -287,3 +287,15 @@ def test_bwd_failure_raises_kernel_error(lib, rc):
     lib.bwd_calls.clear()
     with pytest.raises(ops.KernelError, match=rf"forward failed \(status {rc}\): something broke"):
         ops._fwd_impl(*_fwd_args(q, k, v))
+
+
+@pytest.mark.parametrize("shape, varlen, batch, expected", [
+    ((2, 70, 6, 128), False, 2, (2, 128, 6, 128)),     # rows rounded up to FT_BWD_ACCUM_ROW_PAD
+    ((3, 256, 4, 64), False, 3, (3, 256, 4, 64)),      # already a whole number of tiles
+    ((1, 5, 2, 72), False, 1, (1, 128, 2, 96)),        # head dim rounded up to its bucket
+    ((13, 4, 64), True, 3, (13 + 3 * 128, 4, 64)),     # packed: batches spaced FT_BWD_ACCUM_ROW_PAD apart
+])
+def test_dq_accum_is_padded_to_whole_tiles(shape, varlen, batch, expected):
+    from flashtile import ops
+    acc = ops._dq_accum(torch.empty(shape, dtype=torch.bfloat16), batch, varlen)
+    assert tuple(acc.shape) == expected and acc.dtype == torch.float32 and acc.is_contiguous()
