@@ -17,7 +17,7 @@ import torch
 from . import _lib
 from . import _validate as V
 from .build_config import require_kernel
-from .ops import fwd as _fwd_op
+from .ops import attention as _fwd_op
 
 
 def _resolve_path(path: str) -> int:
