@@ -134,12 +134,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tdOcdO = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   Tensor tKcK = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
-  Tensor tQKp = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  Tensor tVp = make_tensor<bool>(make_shape(size<2>(tdOsdO)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(tQKp); ++k) { tQKp(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim; }
-  CUTE_UNROLL
-  for (int k = 0; k < size(tVp); ++k) { tVp(k) = get<1>(tdOcdO(0, 0, k)) < p.head_dim_v; }
+  Tensor tQKp = col_predicate(tQcQ, p.head_dim);
+  Tensor tVp = col_predicate(tdOcdO, p.head_dim_v);
   auto at_stage = [](auto const& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
   auto load_q_do = [&](int step) {
     auto tiles = q_tiles(step);
@@ -204,7 +200,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto thr_dq_b = copy_dq_b.get_thread_slice(tidx);
   Tensor tdQsKt = thr_dq_b.partition_S(sKt);
 
-  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   Tensor tScS_rc = rowcol(tScS);
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
 

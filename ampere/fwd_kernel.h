@@ -88,12 +88,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor tQcQ = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
-  Tensor tQKp = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-  Tensor tVp = make_tensor<bool>(make_shape(size<2>(tVsV)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(tQKp); ++k) { tQKp(k) = get<1>(tQcQ(0, 0, k)) < p.head_dim; }
-  CUTE_UNROLL
-  for (int k = 0; k < size(tVp); ++k) { tVp(k) = get<1>(tVcV(0, 0, k)) < p.head_dim_v; }
+  Tensor tQKp = col_predicate(tQcQ, p.head_dim);
+  Tensor tVp = col_predicate(tVcV, p.head_dim_v);
 
   // MMA partitions and shared -> register copies.
   typename Traits::TiledMma tiled_mma;
@@ -116,7 +112,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   // Causal is the band (window_left, 0); window_left = -1 leaves it unbounded on the left.
-  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   constexpr int kRowsPerThread = decltype(size<0>(rowcol(acc_o)))::value;
   OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
 

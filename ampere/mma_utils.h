@@ -70,6 +70,16 @@ CUTE_DEVICE void red_add(float* ptr, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
 }
 
+// Per-column-group predicate of a tiled copy: tC is its (CPY, CPY_M, CPY_K) partition of an identity
+// tensor over the tile; entry k says whether column group k lies below `cols` (the actual head dim).
+template <class TensorC>
+CUTE_DEVICE auto col_predicate(TensorC const& tC, int cols) {
+  Tensor pred = make_tensor<bool>(make_shape(size<2>(tC)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(pred); ++k) { pred(k) = get<1>(tC(0, 0, k)) < cols; }
+  return pred;
+}
+
 // Global <-> shared tile copy with row and column predicates; elements outside the tensor are zeroed
 // so that padded K/V rows cannot inject NaN through 0 * garbage.
 template <bool kClearOob = true, class TiledCopy, class TensorS, class TensorD, class TensorC, class TensorP>

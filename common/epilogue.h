@@ -20,31 +20,12 @@ CUTE_DEVICE void write_lse(float* lse_ptr, TensorLse const& lse, TensorC const& 
   }
 }
 
-// tOrO/tOgO/tOcO: a 16-byte-vector tiled copy's (CPY, CPY_M, CPY_K) partitions of the O tile in
-// registers, in global memory, and of its identity coordinates. Rows past seqused_q are written as 0.
-template <class TiledCopy, class TensorR, class TensorG, class TensorC>
-CUTE_DEVICE void store_o_tile(TiledCopy const& copy_o, TensorR& tOrO, TensorG& tOgO, TensorC const& tOcO, int row0,
-                              SeqInfo const& seq, int head_dim_v) {
-  CUTE_UNROLL
-  for (int m = 0; m < cute::size<1>(tOrO); ++m) {
-    int const row = row0 + cute::get<0>(tOcO(0, m, 0));
-    if (row >= seq.seqlen_q_alloc) { continue; }
-    if (row >= seq.seqlen_q) { cute::clear(tOrO(cute::_, m, cute::_)); }
-    CUTE_UNROLL
-    for (int k = 0; k < cute::size<2>(tOrO); ++k) {
-      if (cute::get<1>(tOcO(0, m, k)) < head_dim_v) { cute::copy(copy_o, tOrO(cute::_, m, k), tOgO(cute::_, m, k)); }
-    }
-  }
-}
-
-// A tile staged in shared memory to global memory through registers, 16-byte vectors, writing only
-// rows < max_row and column groups < max_col. tS/tD/tC: a tiled copy's (CPY, CPY_M, CPY_K) partitions
-// of the shared tile, the global tile and the tile's identity coordinates.
-template <class TiledCopy, class TensorS, class TensorD, class TensorC>
-CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, TensorD tD, TensorC const& tC, int max_row,
-                            int max_col) {
-  cute::Tensor tR = cute::make_fragment_like(tS);
-  cute::copy(tiled_copy, tS, tR);
+// Predicated register -> global store of a tile: tR/tD/tC are a 16-byte-vector tiled copy's
+// (CPY, CPY_M, CPY_K) partitions of the tile in registers, in global memory and of its identity
+// coordinates; only rows < max_row and column groups < max_col are written.
+template <class TiledCopy, class TensorR, class TensorD, class TensorC>
+CUTE_DEVICE void store_rows(TiledCopy const& tiled_copy, TensorR const& tR, TensorD&& tD, TensorC const& tC,
+                            int max_row, int max_col) {
   CUTE_UNROLL
   for (int m = 0; m < cute::size<1>(tR); ++m) {
     if (cute::get<0>(tC(0, m, 0)) >= max_row) { continue; }
@@ -53,6 +34,27 @@ CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, Tens
       if (cute::get<1>(tC(0, m, k)) < max_col) { cute::copy(tiled_copy, tR(cute::_, m, k), tD(cute::_, m, k)); }
     }
   }
+}
+
+// The O tile of query rows [row0, row0 + block_m): rows past seqused_q are written as 0, rows past
+// the batch element's allocation not at all.
+template <class TiledCopy, class TensorR, class TensorG, class TensorC>
+CUTE_DEVICE void store_o_tile(TiledCopy const& copy_o, TensorR& tOrO, TensorG& tOgO, TensorC const& tOcO, int row0,
+                              SeqInfo const& seq, int head_dim_v) {
+  CUTE_UNROLL
+  for (int m = 0; m < cute::size<1>(tOrO); ++m) {
+    if (row0 + cute::get<0>(tOcO(0, m, 0)) >= seq.seqlen_q) { cute::clear(tOrO(cute::_, m, cute::_)); }
+  }
+  store_rows(copy_o, tOrO, tOgO, tOcO, seq.seqlen_q_alloc - row0, head_dim_v);
+}
+
+// A tile staged in shared memory (tS: the copy's partition of it) to global memory through registers.
+template <class TiledCopy, class TensorS, class TensorD, class TensorC>
+CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, TensorD&& tD, TensorC const& tC, int max_row,
+                            int max_col) {
+  cute::Tensor tR = cute::make_fragment_like(tS);
+  cute::copy(tiled_copy, tS, tR);
+  store_rows(tiled_copy, tR, tD, tC, max_row, max_col);
 }
 
 }  // namespace flashtile

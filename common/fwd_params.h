@@ -23,6 +23,8 @@ inline FwdParams make_fwd_params(FtFwdParams const& abi) {
   constexpr float kLog2e = 1.4426950408889634f;
   FwdParams p{};
   p.abi = abi;
+  // Causal is the band (window_left, 0): normalized here once, so kernels read only the window.
+  if (abi.is_causal) { p.abi.window_right = 0; }
   p.h_h_k_ratio = abi.num_heads / abi.num_heads_k;
   if (abi.softcap > 0.f) {
     // S' = softcap * tanh(S * scale / softcap): the kernel computes tanh(S * softcap_scale) and folds

@@ -74,7 +74,7 @@ CUTE_DEVICE void kv_block_range(FtFwdParams const& p, SeqInfo const& s, int m_bl
   n_block_max = (s.seqlen_k + block_n - 1) / block_n;
   if constexpr (kIsBand) {
     int const offset = s.seqlen_k - s.seqlen_q;
-    int const wr = p.is_causal ? 0 : p.window_right;
+    int const wr = p.window_right;  // causal already normalized to 0 (make_fwd_params)
     if (wr >= 0) {
       // Last visible column of the tile's last row, plus one.
       int const col_end = min(s.seqlen_q, (m_block + 1) * block_m) + offset + wr;
@@ -96,7 +96,7 @@ CUTE_DEVICE void q_block_range(FtFwdParams const& p, SeqInfo const& s, int n_blo
   m_block_max = (s.seqlen_q + block_m - 1) / block_m;
   if constexpr (kIsBand) {
     int const offset = s.seqlen_k - s.seqlen_q;
-    int const wr = p.is_causal ? 0 : p.window_right;
+    int const wr = p.window_right;  // causal already normalized to 0 (make_fwd_params)
     if (wr >= 0) {
       // Row i sees the block's first key only if i >= n_block * block_n - offset - wr.
       int const row_begin = n_block * block_n - offset - wr;

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     SeqInfo const& seq = w.seq;
     Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
     clear(tOrO);
-    BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.is_causal ? 0 : p.window_right};
+    BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
     OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
 
     ss.barrier_q.wait(q_phase);

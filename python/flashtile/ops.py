@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from . import _lib, _validate
+from .build_config import head_dim_bucket
 
 _DTYPES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16}
 
@@ -161,7 +162,6 @@ def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
 def _dq_accum(q: torch.Tensor, batch: int, varlen: bool) -> torch.Tensor:
     """The fp32 dq accumulator (FtBwdParams.dq_accum): q's layout with the head dim rounded up to its
     bucket and rows padded by FT_BWD_ACCUM_ROW_PAD (per batch element when packed)."""
-    from .build_config import head_dim_bucket
     pad = _lib.BWD_ACCUM_ROW_PAD
     d = head_dim_bucket(q.shape[-1])
     if varlen:
