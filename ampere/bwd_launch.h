@@ -21,14 +21,11 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
     return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
   }
-  dim3 const grid_rows((p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock, p.num_heads, p.batch);
-  bwd_preprocess_kernel<Element><<<grid_rows, kPrePostThreads, 0, stream>>>(params);
-  if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch"); !s.ok()) { return s; }
+  if (LaunchStatus s = launch_bwd_preprocess<Element>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
-  bwd_postprocess_kernel<Element><<<grid_rows, kPrePostThreads, 0, stream>>>(params);
-  return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
+  return launch_bwd_postprocess<Element>(params, stream);
 }
 
 }  // namespace flashtile::ampere

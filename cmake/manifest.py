@@ -24,9 +24,8 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 HEAD_DIM_PAIRS = {(192, 128)}  # (qk, v) pairs beyond the square buckets
 FEATURES = ("softcap",)
 PATHS = {"ampere": "kFtPathAmpere", "hopper": "kFtPathHopper"}
-# Operations and the kernel families that implement each (the Hopper backward is not written yet; on
-# sm_90 the backward runs the Ampere-path kernel).
-OPS = {"fwd": ("ampere", "hopper"), "bwd": ("ampere",)}
+# Operations and the kernel families that implement each.
+OPS = {"fwd": ("ampere", "hopper"), "bwd": ("ampere", "hopper")}
 PARAMS_TYPE = {"fwd": "FwdParams", "bwd": "BwdParams"}
 
 # Kernel sets selectable with FLASHTILE_KERNEL_SET; explicit options override them.

@@ -13,6 +13,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "common/bwd_params.h"
+#include "common/launch_status.h"
 #include "common/seq_info.h"
 
 namespace flashtile {
@@ -95,6 +96,23 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
       *reinterpret_cast<cutlass::Array<Element, kVec>*>(dq_ptr + row * b.dq_row_stride + c) = convert(acc);
     }
   }
+}
+
+// Host: the two launches every backward family brackets its main kernel with.
+inline dim3 bwd_prepost_grid(FtFwdParams const& p) {
+  return dim3((p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock, p.num_heads, p.batch);
+}
+
+template <class Element>
+LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
+  bwd_preprocess_kernel<Element><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  return LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch");
+}
+
+template <class Element>
+LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
+  bwd_postprocess_kernel<Element><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
 }
 
 }  // namespace flashtile

@@ -75,6 +75,30 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   return t;
 }
 
+// Hopper backward (TMA + WGMMA, warp-specialized): each CTA owns block_n keys and walks the query
+// blocks of block_m rows with two consumer warpgroups. Each of the three GEMM shapes, S/dP
+// (block_m x block_n), dK/dV (block_n x d) and dQ (block_m x d), is split between the warpgroups
+// along its rows when it has 128 of them, else along its columns (WGMMA M is 64 per warpgroup).
+// Registers: dK + dV accumulators (2 * block_n * d fp32 over 256 threads) and the S/dP tiles.
+// Shared memory: K, V (block_n x d) + q_stages * (Q, dO) + P, dS (block_m x block_n, 16-bit) + the
+// fp32 dQ staging tile (block_m x d): d = 64: 192 KB, 96: 152 KB, 128: 192 KB, 192: 208 KB,
+// 256: 208 KB (one Q/dO stage).
+struct HopperBwdTile {
+  int block_m;
+  int block_n;
+  int q_stages;
+  int producer_regs;
+  int consumer_regs;
+};
+
+constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
+  int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
+  return d <= 64    ? HopperBwdTile{128, 128, 2, 24, 240}
+         : d <= 128 ? HopperBwdTile{64, 128, 2, 24, 240}
+         : d <= 192 ? HopperBwdTile{64, 64, 2, 24, 240}
+                    : HopperBwdTile{64, 64, 1, 24, 240};
+}
+
 // Head-dim buckets that kernels are instantiated for; any d <= 256 that is a multiple of 8 runs on
 // the smallest bucket >= d.
 constexpr int kHeadDimBuckets[] = {64, 96, 128, 192, 256};

@@ -32,6 +32,7 @@
 #include "common/softmax.h"
 #include "hopper/fwd_consumer.h"
 #include "hopper/fwd_traits.h"
+#include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
 #include "hopper/tile_scheduler.h"
 #include "hopper/wgmma_utils.h"
@@ -40,21 +41,15 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
-// Global tensors seen by TMA: (rows, d, heads, batch). Packed (varlen) tensors have batch extent 1 and
-// are offset by their cu_seqlens row inside the kernel.
-using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
-using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
-
 template <class Traits>
 struct FwdKernelParams {
   using Element = typename Traits::Element;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                          make_layout(ShapeQKV{}, StrideQKV{})));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, typename Traits::SmemLayoutQ{},
+  using GmemQKV = GmemTensor<Element const>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, typename Traits::SmemLayoutQ{},
                                       select<0, 2>(typename Traits::TileShapeQK{}), _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(typename Traits::SmemLayoutK{}),
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutK{}),
                                       select<1, 2>(typename Traits::TileShapeQK{}), _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(typename Traits::SmemLayoutV{}),
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutV{}),
                                       select<2, 1>(typename Traits::TileShapePV{}), _1{}));
   FwdParams fwd;
   int num_m_blocks;

@@ -27,8 +27,7 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   int const batch_q = p.cu_seqlens_q ? 1 : p.batch;
   int const batch_k = p.cu_seqlens_k ? 1 : p.batch;
   auto gmem = [](void const* ptr, ShapeQKV shape, int64_t row, int64_t head, int64_t batch) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_layout(shape, make_stride(row, _1{}, head, batch)));
+    return make_gmem_tensor(static_cast<Element const*>(ptr), shape, row, head, batch);
   };
   KP kp;
   kp.fwd = params;

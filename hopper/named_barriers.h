@@ -11,4 +11,13 @@ enum class FwdNamedBarrier : int {
   kQueryEmpty = 3, // consumers (arrive) -> producer warp (sync): the Q/O region may be reloaded
 };
 
+// Backward kernel (ids reused: a kernel uses one of the two sets).
+enum class BwdNamedBarrier : int {
+  kPdSEmpty = 0,  // all consumer threads: every warpgroup is done reading the previous P/dS
+  kPdSFull = 1,   // all consumer threads: P and dS of this step are in shared memory
+  kdQEmpty = 2,   // dQ writer warp (arrive) -> consumers (sync): the dQ staging tile may be rewritten
+  kdQFull = 3,    // consumers (arrive) -> dQ writer warp (sync): the dQ tile is staged
+  kEpilogue = 4,  // all consumer threads: K/V no longer read, dK/dV may be staged over them
+};
+
 }  // namespace flashtile::hopper

@@ -14,7 +14,7 @@ Covered: every built dtype and head dim, MHA/GQA/MQA, causal, local windows, sof
 sequence lengths (one 4224^2 case per mask), batch 1..9, fully masked rows (their dq is exactly 0),
 varlen with empty sequences and rows outside every sequence (checked per sequence against the padded
 reference), seqused_q/k and KV caches, strided and qkv-packed inputs, the LSE's own gradient (dlse),
-empty problems, the "ampere" path explicitly and the Hopper path's missing backward, deterministic
+empty problems, each kernel family forced (path="ampere" / "hopper"), a missing backward, deterministic
 mode (bitwise identical repeats), CUDA-graph capture, a finite-difference check against float64, and a
 short training run tracking PyTorch SDPA.
 """
@@ -161,13 +161,16 @@ def test_bwd(dtype, hdim, causal, layout, seqlens, seed):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_bwd_ampere_path(dtype, hdim, causal, seed):
-    """path="ampere" explicitly: the Ampere-path forward feeds the backward (on sm_90, "auto" runs the
-    Hopper forward with the Ampere-path backward)."""
+@pytest.mark.parametrize("path", ["ampere", "hopper"])
+def test_bwd_explicit_path(path, dtype, hdim, causal, seed):
+    """Each kernel family forced: its forward feeds its backward (on sm_90 "auto" picks the Hopper
+    kernels where built, so the Ampere-path backward is only reached this way)."""
+    if path == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
     d, dv = hdim
-    require_built(dtype, d, dv, band=causal, path="ampere")
+    require_built(dtype, d, dv, band=causal, path=path)
     q, k, v = random_qkv(2, 239, 1023, 6, 2, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
-    check_padded(q, k, v, seed=seed, causal=causal, path="ampere")
+    check_padded(q, k, v, seed=seed, causal=causal, path=path)
 
 
 @pytest.mark.timeout(300)
@@ -492,7 +495,7 @@ def test_bwd_hopper_path_without_hopper_backward():
     out = flash_attn_func(q, k, v, path="hopper")
     with pytest.raises(KernelNotBuiltError, match=r"no backward kernel built for path=hopper.*This build has"):
         out.backward(torch.randn_like(out))
-    # The same forward on the automatic path differentiates (through the Ampere-path backward).
+    # The same forward on the automatic path differentiates (through the backward that is built).
     out = flash_attn_func(q, k, v)
     out.backward(torch.randn_like(out))
     assert torch.isfinite(q.grad).all()

@@ -1,0 +1,393 @@
+// Hopper backward kernel (sm_90a): warp-specialized TMA producer, dQ writer and WGMMA consumers.
+//
+// One CTA owns block_n keys of one KV head (grid: KV blocks x KV heads x batch; low KV blocks, the
+// longest under a causal mask, start first) and walks every query block of every query head of that
+// head's group that sees those keys, so GQA/MQA dK/dV are register sums.
+// Roles:
+//   warpgroup 0, warp 0  producer: K and V once (one transaction barrier), then Q and dO of each step
+//                        through two kQStages-deep PipelineTmaAsync pipelines.
+//   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
+//                        the dq accumulator with one TMA reduce-add (in KV-block order behind a
+//                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
+//                        the TMA has read it.
+//   warpgroups 1, 2      consumers: S = Q K^T and dP = dO V^T; P = exp2(S * scale_log2 - lse_log2)
+//                        from the forward's LSE, dS = P * (dP - D) (times the tanh derivative under
+//                        softcap); P and dS to shared memory; dQ = dS K, dV += P^T dO, dK += dS^T Q
+//                        (dK/dV accumulate in registers over the whole walk); dQ staged for the writer.
+// Consumer synchronization per step (named barriers over the 256 consumer threads): kPdSEmpty before
+// P/dS are overwritten (both warpgroups read all of them), kPdSFull once they are written; the Q/dO
+// stage is released after the dK/dV GEMMs that read it have completed.
+// Rows past seqlen_q get lse_log2 = +inf (P = 0); columns past seqlen_k and outside the band are
+// masked to -inf, so padded rows and columns contribute exact zeros.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/bwd_params.h"
+#include "common/epilogue.h"
+#include "common/fragment.h"
+#include "common/mask.h"
+#include "common/seq_info.h"
+#include "hopper/bwd_traits.h"
+#include "hopper/gmem_tensors.h"
+#include "hopper/named_barriers.h"
+#include "hopper/wgmma_utils.h"
+
+namespace flashtile::hopper {
+
+using namespace cute;
+
+template <class Traits>
+struct BwdKernelParams {
+  using Element = typename Traits::Element;
+  using GmemIn = GmemTensor<Element const>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemIn{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
+                                      Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  using TmadO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemIn{}, take<0, 2>(typename Traits::SmemLayoutdO{}),
+                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDimV>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemIn{}, typename Traits::SmemLayoutK{},
+                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemIn{}, typename Traits::SmemLayoutV{},
+                                      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDimV>>{}, _1{}));
+  using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensor<float>{}, typename Traits::SmemLayoutdQ{},
+                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  BwdParams bwd;
+  ShapeQKV shape_q, shape_do, shape_k, shape_v, shape_dq_accum;
+  TmaQ tma_q;
+  TmadO tma_do;
+  TmaK tma_k;
+  TmaV tma_v;
+  TmadQ tma_dq;
+};
+
+// The (query head, query block) of step `step` of a CTA's walk: query block fastest.
+struct BwdStep {
+  int bidh, m_block;
+  CUTE_DEVICE BwdStep(int step, int bidh_k, int group, int m_block_min, int num_m_blocks)
+      : bidh(bidh_k * group + step / num_m_blocks), m_block(m_block_min + step % num_m_blocks) {}
+};
+
+// Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
+CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const kp) {
+  using Element = typename Traits::Element;
+  using PipelineQ = typename Traits::PipelineQ;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  constexpr int kNMmaThreads = Traits::kNMmaThreads;
+  constexpr int kdQSyncThreads = kNMmaThreads + 32;  // consumers + the dQ writer warp
+  BwdParams const& params = kp.bwd;
+  FtFwdParams const& p = params.fwd.abi;
+  FtBwdParams const& b = params.abi;
+
+  int const n_block = blockIdx.x, bidh_k = blockIdx.y, bidb = blockIdx.z;
+  SeqInfo const seq(p, bidb);
+  if (n_block * kBlockN >= seq.seqlen_k) { return; }  // uniform over the CTA, before any barrier
+  int m_block_min, m_block_max;
+  q_block_range<kIsBand>(p, seq, n_block, kBlockM, kBlockN, m_block_min, m_block_max);
+  int const num_m_blocks = max(0, m_block_max - m_block_min);
+  int const group = params.fwd.h_h_k_ratio;
+  int const num_steps = num_m_blocks * group;
+  bool const varlen_q = p.cu_seqlens_q != nullptr;
+
+  extern __shared__ __align__(1024) char smem_buf[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdS{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdSt{});
+  Tensor sdQ = make_tensor(make_smem_ptr(ss.smem_dq.data()), typename Traits::SmemLayoutdQ{});
+
+  int const warp_group_idx = cutlass::canonical_warp_group_idx();
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const lane = threadIdx.x % 32;
+  if (warp_idx == 0 && lane == 0) {
+    ss.barrier_kv.init(1);
+    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor());
+  }
+  typename PipelineQ::Params pipe_params;
+  pipe_params.role = warp_group_idx == 0 ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = kNMmaThreads;
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
+  PipelineQ pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  pipe_params.transaction_bytes = Traits::kTmaBytesdO;
+  PipelineQ pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warp_group_idx == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (num_steps == 0) { return; }
+    if (warp_idx == 0) {
+      // -------------------------------------------------------------- producer
+      Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
+      Tensor mdO = kp.tma_do.get_tma_tensor(kp.shape_do);
+      Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
+      Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
+      int const batch_k = p.cu_seqlens_k ? 0 : bidb;
+      Tensor gK = local_tile(domain_offset(make_coord(seq.k_row0, _0{}), mK(_, _, bidh_k, batch_k)),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(seq.k_row0, _0{}), mV(_, _, bidh_k, batch_k)),
+                             Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, _0{}));
+      auto [tKgK, tKsK] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      if (lane == 0) {
+        ss.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+        copy(kp.tma_k.with(reinterpret_cast<uint64_t&>(ss.barrier_kv), 0), tKgK, tKsK);
+        copy(kp.tma_v.with(reinterpret_cast<uint64_t&>(ss.barrier_kv), 0), tVgV, tVsV);
+      }
+      PipelineState write_state = cutlass::make_producer_start_state<PipelineQ>();
+      for (int step = 0; step < num_steps; ++step) {
+        BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+        int const batch_q = varlen_q ? 0 : bidb;
+        Tensor gQ = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, st.bidh, batch_q)),
+                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+        Tensor gdO = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mdO(_, _, st.bidh, batch_q)),
+                                Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(_, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOgdO, tdOsdO] = tma_partition(kp.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        pipeline_q.producer_acquire(write_state);
+        if (lane == 0) {
+          copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(write_state), 0), tQgQ(_, st.m_block),
+               tQsQ(_, write_state.index()));
+        }
+        pipeline_do.producer_acquire(write_state);
+        if (lane == 0) {
+          copy(kp.tma_do.with(*pipeline_do.producer_get_barrier(write_state), 0), tdOgdO(_, st.m_block),
+               tdOsdO(_, write_state.index()));
+        }
+        ++write_state;
+      }
+    } else if (warp_idx == 1) {
+      // -------------------------------------------------------------- dQ writer
+      Tensor mdQ = kp.tma_dq.get_tma_tensor(kp.shape_dq_accum);
+      auto cta_tma = kp.tma_dq.get_slice(_0{});
+      Tensor tdQsdQ = cta_tma.partition_S(sdQ);
+      // Packed batches: each sequence's accumulator rows start FT_BWD_ACCUM_ROW_PAD rows further on.
+      int64_t const acc_row0 = varlen_q ? seq.q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb : 0;
+      for (int step = 0; step < num_steps; ++step) {
+        BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+        Tensor gdQ = local_tile(domain_offset(make_coord(acc_row0, _0{}), mdQ(_, _, st.bidh, varlen_q ? 0 : bidb)),
+                                Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(st.m_block, _0{}));
+        Tensor tdQgdQ = cta_tma.partition_D(gdQ);
+        int* semaphore = nullptr;
+        if (b.deterministic) {
+          int n_block_lo, n_block_hi;
+          kv_block_range<kIsBand>(p, seq, st.m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+          int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
+          semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + st.bidh) * sem_blocks +
+                      st.m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
+          if (lane == 0) {
+            while (*reinterpret_cast<int const volatile*>(semaphore) != n_block - n_block_lo) {}
+            __threadfence();
+          }
+        }
+        cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQFull));
+        if (lane == 0) {
+          copy(kp.tma_dq, tdQsdQ, tdQgdQ);
+          tma_store_arrive();
+          tma_store_wait<0>();  // the staging tile has been read
+        }
+        __syncwarp();
+        if (step + 1 < num_steps) {
+          cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty));
+        }
+        if (lane == 0 && b.deterministic) {
+          bulk_wait_all_complete();  // the adds have landed before the next KV block's turn
+          __threadfence();
+          atomicAdd(semaphore, 1);
+        }
+      }
+      if (lane == 0) { bulk_wait_all_complete(); }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  int const thread_idx = int(threadIdx.x) - 128;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadK mma_dk;
+  typename Traits::TiledMmadV mma_dv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+  auto thr_dk = mma_dk.get_thread_slice(thread_idx);
+  auto thr_dv = mma_dv.get_thread_slice(thread_idx);
+  auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_dv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);
+  Tensor tdKrdSt = thr_dk.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = rowcol(tScS);
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
+  Tensor tPsP = smem_thr_pds.partition_D(sP);
+  Tensor tdSsdS = smem_thr_pds.partition_D(sdS);
+  auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
+  auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
+  Tensor tdQsdQ = smem_thr_dq.partition_D(sdQ);
+
+  BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+  float const scale_log2 = params.fwd.scale_log2;
+  if (num_steps > 0) { ss.barrier_kv.wait(0); }
+  PipelineState read_state;
+  for (int step = 0; step < num_steps; ++step) {
+    BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+    int const m_block = st.m_block;
+    // This thread's rows' LSE (exp2 domain) and D; loads issued before the GEMMs to hide latency.
+    int64_t const row_off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride;
+    float lse_log2[kRows], dsum[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
+      bool const in = row < seq.seqlen_q;
+      lse_log2[mi] = in ? b.lse_log2[row_off + row] : INFINITY;
+      dsum[mi] = in ? b.dsoftmax_sum[row_off + row] : 0.f;
+    }
+    int const stage = read_state.index();
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    pipeline_q.consumer_wait(read_state);
+    wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
+    pipeline_do.consumer_wait(read_state);
+    wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+    bool const needs_mask = mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN);
+    Tensor s = rowcol(acc_s);
+    Tensor dp = rowcol(acc_dp);
+    if constexpr (kHasSoftcap) {
+      // One pass once both GEMMs are done: the tanh derivative is used where it is computed.
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) {
+          float const t = tanhf(s(mi, ni) * params.fwd.softcap_scale);
+          dp(mi, ni) = (dp(mi, ni) - dsum[mi]) * (1.f - t * t);  // (dP - D) t', t' before any masking
+          s(mi, ni) = t;
+        }
+      }
+      if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) {
+          float const pr = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]);
+          s(mi, ni) = pr;
+          dp(mi, ni) *= pr;
+        }
+      }
+    } else {
+      warpgroup_wait<1>();  // S done; dP still running
+      warpgroup_fence_operand(acc_s);
+      if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) { s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]); }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(dp); ++ni) { dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum[mi]); }
+      }
+    }
+    Tensor rP = convert_fragment<Element>(acc_s);
+    Tensor rdS = convert_fragment<Element>(acc_dp);
+
+    if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
+    copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
+    copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), tdSsdS);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+    cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+    wg_gemm<false, -1>(mma_dv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+    wg_gemm<false, -1>(mma_dk, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
+    warpgroup_wait<2>();  // dQ done; dV and dK still running
+    warpgroup_fence_operand(acc_dq);
+    if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
+    copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
+    tma_store_fence();  // generic-proxy stores -> the writer's TMA reads
+    cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, int(BwdNamedBarrier::kdQFull));
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_dv);
+    warpgroup_fence_operand(acc_dk);
+    pipeline_q.consumer_release(read_state);
+    pipeline_do.consumer_release(read_state);
+    ++read_state;
+  }
+
+  // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }
+  Tensor rdK = convert_fragment<Element>(acc_dk);
+  Tensor rdV = convert_fragment<Element>(acc_dv);
+  cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kEpilogue));  // K/V reads done
+  auto smem_copy_dk = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_dk);
+  auto smem_thr_dk = smem_copy_dk.get_thread_slice(thread_idx);
+  copy(smem_copy_dk, smem_thr_dk.retile_S(rdK), smem_thr_dk.partition_D(sK));
+  auto smem_copy_dv = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_dv);
+  auto smem_thr_dv = smem_copy_dv.get_thread_slice(thread_idx);
+  copy(smem_copy_dv, smem_thr_dv.retile_S(rdV), smem_thr_dv.partition_D(sV));
+  cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kEpilogue));
+
+  Tensor mdK = make_tensor(make_gmem_ptr(static_cast<Element*>(b.dk) + seq.k_like_offset(p, bidb, b.dk_batch_stride, b.dk_row_stride) +
+                                         bidh_k * b.dk_head_stride),
+                           make_shape(seq.seqlen_k, Int<kHeadDim>{}), make_stride(b.dk_row_stride, _1{}));
+  Tensor mdV = make_tensor(make_gmem_ptr(static_cast<Element*>(b.dv) + seq.k_like_offset(p, bidb, b.dv_batch_stride, b.dv_row_stride) +
+                                         bidh_k * b.dv_head_stride),
+                           make_shape(seq.seqlen_k, Int<kHeadDimV>{}), make_stride(b.dv_row_stride, _1{}));
+  int const rows_k = seq.seqlen_k - n_block * kBlockN;
+  typename Traits::GmemTiledCopydK gmem_copy_dk;
+  auto gmem_thr_dk = gmem_copy_dk.get_thread_slice(thread_idx);
+  store_tile(gmem_copy_dk, gmem_thr_dk.partition_S(sK),
+             gmem_thr_dk.partition_D(local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0))),
+             gmem_thr_dk.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), rows_k, p.head_dim);
+  typename Traits::GmemTiledCopydV gmem_copy_dv;
+  auto gmem_thr_dv = gmem_copy_dv.get_thread_slice(thread_idx);
+  store_tile(gmem_copy_dv, gmem_thr_dv.partition_S(sV),
+             gmem_thr_dv.partition_D(local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0))),
+             gmem_thr_dv.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{})), rows_k, p.head_dim_v);
+}
+
+}  // namespace flashtile::hopper

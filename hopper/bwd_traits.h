@@ -1,0 +1,114 @@
+// Compile-time configuration of the Hopper backward kernel: tile shape (from the tile policy), warpgroup
+// roles, the five WGMMA tiled MMAs with their operand majors, the GMMA-swizzled shared-memory layouts
+// (with the transposed views the dK/dV/dQ GEMMs read), the Q/dO pipelines and the shared storage.
+//
+// GEMMs (all operands in shared memory):
+//   S  = Q  K^T   (block_m x block_n, k = d)    A = Q  K-major,      B = K  K-major
+//   dP = dO V^T   (block_m x block_n, k = d_v)  A = dO K-major,      B = V  K-major
+//   dV += P^T dO  (block_n x d_v,     k = block_m)  A = P^T MN-major, B = dO MN-major
+//   dK += dS^T Q  (block_n x d,       k = block_m)  A = dS^T MN-major, B = Q MN-major
+//   dQ  = dS K    (block_m x d,       k = block_n)  A = dS K-major,    B = K  MN-major
+// The MN-major operands are the K-major tiles seen through a transposing composition: no copies.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/tile_policy.h"
+#include "hopper/fwd_traits.h"
+
+namespace flashtile::hopper {
+
+using namespace cute;
+
+// A (rows, cols[, stages]) K-major tile seen as (cols, rows[, stages]): the same bytes, MN-major.
+template <class Layout, int kRows, int kCols>
+using Transposed2 = decltype(composition(Layout{}, make_ordered_layout(Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{})));
+template <class Layout, int kRows, int kCols, int kStages>
+using Transposed3 = decltype(composition(
+    Layout{}, make_ordered_layout(Shape<Int<kCols>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+template <class Element_, int kHeadDim_, int kHeadDimV_>
+struct BwdTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr HopperBwdTile kTile = hopper_bwd_tile(kHeadDim, kHeadDimV);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kQStages = kTile.q_stages;
+  static constexpr int kNMmaWarpGroups = 2;
+  static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup (loads, dQ writer)
+  static constexpr int kProducerRegs = kTile.producer_regs;
+  static constexpr int kConsumerRegs = kTile.consumer_regs;
+
+  // Warpgroups along the rows of each GEMM (the rest along its columns).
+  static constexpr int kWgMSdP = kBlockM / 64 >= 2 ? 2 : 1;
+  static constexpr int kWgMdKV = kBlockN / 64 >= 2 ? 2 : 1;
+  static constexpr int kWgMdQ = kWgMSdP;
+  static_assert(kBlockM % (64 * kWgMSdP) == 0 && kBlockN % (64 * kWgMdKV) == 0);
+
+  template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
+  using TiledMmaOf = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
+                           kMajorA, kMajorB>(),
+      Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
+  using TiledMmaSdP = TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>;
+  using TiledMmadK = TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>;
+  using TiledMmadV = TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>;
+  using TiledMmadQ = TiledMmaOf<kBlockM, kHeadDim, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
+
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{},
+                                              Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kQStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomKMajor<Element, kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutQt = Transposed3<SmemLayoutQ, kBlockM, kHeadDim, kQStages>;
+  using SmemLayoutdOt = Transposed3<SmemLayoutdO, kBlockM, kHeadDimV, kQStages>;
+  using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
+  using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
+  // fp32 dQ staging tile, 128-byte swizzled (conflict-free accumulator stores); read by the TMA
+  // reduce-add into the dq accumulator.
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementAccum>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static_assert(kHeadDim % 32 == 0, "the dQ staging swizzle needs head-dim buckets that are multiples of 32");
+
+  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;
+
+  // dK/dV: 16-byte global stores from the staged tiles, by all consumer threads.
+  template <int kCols>
+  using GmemTiledCopyOf = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+      Layout<Shape<Int<kNMmaThreads / ((kCols % 64 == 0 ? 64 : 32) / 8)>, Int<(kCols % 64 == 0 ? 64 : 32) / 8>>,
+             Stride<Int<(kCols % 64 == 0 ? 64 : 32) / 8>, _1>>{},
+      Layout<Shape<_1, Int<16 / sizeof(Element)>>>{}));
+  using GmemTiledCopydK = GmemTiledCopyOf<kHeadDim>;
+  using GmemTiledCopydV = GmemTiledCopyOf<kHeadDimV>;
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineState = typename PipelineQ::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;  // dK staged here at the end
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;  // dV staged here at the end
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> smem_p;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> smem_ds;
+    alignas(1024) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdQ>> smem_dq;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_do;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesdO = kBlockM * kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);
+};
+
+}  // namespace flashtile::hopper
