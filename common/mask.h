@@ -26,14 +26,15 @@ struct BandMask {
     return false;
   }
 
-  template <bool kIsBand, class EngineS, class LayoutS, class EngineC, class LayoutC>
+  // kTransposed: the tile is S^T, so tScS(i) is (key, query) rather than (query, key).
+  template <bool kIsBand, bool kTransposed = false, class EngineS, class LayoutS, class EngineC, class LayoutC>
   CUTE_DEVICE void apply(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
                          int row0, int col0) const {
     int const offset = seqlen_k - seqlen_q;
     CUTE_UNROLL
     for (int i = 0; i < cute::size(tSrS); ++i) {
-      int const row = row0 + cute::get<0>(tScS(i));
-      int const col = col0 + cute::get<1>(tScS(i));
+      int const row = row0 + cute::get<kTransposed ? 1 : 0>(tScS(i));
+      int const col = col0 + cute::get<kTransposed ? 0 : 1>(tScS(i));
       bool masked = col >= seqlen_k;
       if constexpr (kIsBand) {
         masked |= window_right >= 0 && col > row + offset + window_right;

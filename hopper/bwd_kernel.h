@@ -226,6 +226,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  constexpr bool kSwap = Traits::kSwapSdP;
   int const thread_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadK mma_dk;
@@ -235,13 +236,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto thr_dk = mma_dk.get_thread_slice(thread_idx);
   auto thr_dv = mma_dv.get_thread_slice(thread_idx);
   auto thr_dq = mma_dq.get_thread_slice(thread_idx);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tdVrPt = thr_dv.partition_fragment_A(sPt);
+  // S (or S^T) and dP (or dP^T) operands; the query-side ones are staged (last mode).
+  Tensor tSrQ = [&] {
+    if constexpr (kSwap) { return thr_sdp.partition_fragment_B(sQ); } else { return thr_sdp.partition_fragment_A(sQ); }
+  }();
+  Tensor tSrK = [&] {
+    if constexpr (kSwap) { return thr_sdp.partition_fragment_A(sK); } else { return thr_sdp.partition_fragment_B(sK); }
+  }();
+  Tensor tdPrdO = [&] {
+    if constexpr (kSwap) { return thr_sdp.partition_fragment_B(sdO); } else { return thr_sdp.partition_fragment_A(sdO); }
+  }();
+  Tensor tdPrV = [&] {
+    if constexpr (kSwap) { return thr_sdp.partition_fragment_A(sV); } else { return thr_sdp.partition_fragment_B(sV); }
+  }();
   Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);
-  Tensor tdKrdSt = thr_dk.partition_fragment_A(sdSt);
   Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
@@ -250,110 +258,190 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   clear(acc_dk);
   clear(acc_dv);
 
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tScS_rc = rowcol(tScS);
-  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-  auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
-  auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
-  Tensor tPsP = smem_thr_pds.partition_D(sP);
-  Tensor tdSsdS = smem_thr_pds.partition_D(sdS);
+  // The S tile as the SdP MMA sees it: (keys, queries) when swapped.
+  using TileSdP = std::conditional_t<kSwap, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
   Tensor tdQsdQ = smem_thr_dq.partition_D(sdQ);
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
-  if (num_steps > 0) { ss.barrier_kv.wait(0); }
+  // LSE (exp2 domain) and D of one query row of a step: +inf / 0 past seqlen_q, so P = dS = 0 there.
+  auto row_stat = [&](BwdStep const& st, int r, bool lse) {
+    int const row = st.m_block * kBlockM + r;
+    int64_t const off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row;
+    if (row >= seq.seqlen_q) { return lse ? INFINITY : 0.f; }
+    return lse ? b.lse_log2[off] : b.dsoftmax_sum[off];
+  };
+  // kSwap: the rows' statistics go through shared memory (a thread needs those of all its columns);
+  // consumer thread t < 2 * block_m loads LSE (t < block_m) or D of one row, one step ahead.
+  bool const stat_thread = thread_idx < 2 * kBlockM;
+  auto load_stat = [&](int step) {
+    BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+    return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM);
+  };
+  if (num_steps > 0) {
+    if constexpr (kSwap) {
+      if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(0); }
+      cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+    }
+    ss.barrier_kv.wait(0);
+  }
+
   PipelineState read_state;
   for (int step = 0; step < num_steps; ++step) {
     BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
     int const m_block = st.m_block;
-    // This thread's rows' LSE (exp2 domain) and D; loads issued before the GEMMs to hide latency.
-    int64_t const row_off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride;
-    float lse_log2[kRows], dsum[kRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
-      bool const in = row < seq.seqlen_q;
-      lse_log2[mi] = in ? b.lse_log2[row_off + row] : INFINITY;
-      dsum[mi] = in ? b.dsoftmax_sum[row_off + row] : 0.f;
-    }
     int const stage = read_state.index();
-
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    pipeline_q.consumer_wait(read_state);
-    wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
-    pipeline_do.consumer_wait(read_state);
-    wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
     bool const needs_mask = mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN);
-    Tensor s = rowcol(acc_s);
-    Tensor dp = rowcol(acc_dp);
-    if constexpr (kHasSoftcap) {
-      // One pass once both GEMMs are done: the tanh derivative is used where it is computed.
+    Tensor acc_s = partition_fragment_C(mma_sdp, TileSdP{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
+
+    if constexpr (kSwap) {
+      float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(step + 1) : 0.f;
+      float const* stat_lse = ss.smem_stats[step % 2];
+      float const* stat_d = stat_lse + kBlockM;
+      pipeline_q.consumer_wait(read_state);
+      wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+      pipeline_do.consumer_wait(read_state);
+      wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+      if constexpr (kHasSoftcap) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        warpgroup_fence_operand(acc_dp);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          float const t = tanhf(acc_s(i) * params.fwd.softcap_scale);
+          acc_dp(i) = (acc_dp(i) - stat_d[get<1>(tScS(i))]) * (1.f - t * t);  // (dP - D) t', before masking
+          acc_s(i) = t;
+        }
+        if (needs_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]);
+          acc_dp(i) *= acc_s(i);
+        }
+      } else {
+        warpgroup_wait<1>();  // S^T done; dP^T still running
+        warpgroup_fence_operand(acc_s);
+        if (needs_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
+      }
+      Tensor rP = convert_fragment<Element>(acc_s);
+      wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
+      if constexpr (!kHasSoftcap) {
+        warpgroup_wait<1>();  // dP^T done; dV still running
+        warpgroup_fence_operand(acc_dp);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
+      }
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
+      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory.
+      if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
+      auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
+      auto smem_thr_ds = smem_copy_ds.get_thread_slice(thread_idx);
+      copy(smem_copy_ds, smem_thr_ds.retile_S(rdS), smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt)));
+      if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+      // rP and rdS are read by the in-flight dV/dK GEMMs: they stay live (fenced) until those complete.
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
       warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) {
-          float const t = tanhf(s(mi, ni) * params.fwd.softcap_scale);
-          dp(mi, ni) = (dp(mi, ni) - dsum[mi]) * (1.f - t * t);  // (dP - D) t', t' before any masking
-          s(mi, ni) = t;
-        }
-      }
-      if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) {
-          float const pr = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]);
-          s(mi, ni) = pr;
-          dp(mi, ni) *= pr;
-        }
-      }
+      warpgroup_fence_operand(rP);
+      warpgroup_fence_operand(rdS);
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(acc_dq);
+      pipeline_q.consumer_release(read_state);
+      pipeline_do.consumer_release(read_state);
+      if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
     } else {
-      warpgroup_wait<1>();  // S done; dP still running
-      warpgroup_fence_operand(acc_s);
-      if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+      Tensor tScS_rc = rowcol(tScS);
+      constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+      // This thread's rows' LSE and D; loads issued before the GEMMs to hide their latency.
+      float lse_log2[kRows], dsum[kRows];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) { s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]); }
+        lse_log2[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), true);
+        dsum[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), false);
       }
+      pipeline_q.consumer_wait(read_state);
+      wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
+      pipeline_do.consumer_wait(read_state);
+      wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+      Tensor s = rowcol(acc_s);
+      Tensor dp = rowcol(acc_dp);
+      if constexpr (kHasSoftcap) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        warpgroup_fence_operand(acc_dp);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            float const t = tanhf(s(mi, ni) * params.fwd.softcap_scale);
+            dp(mi, ni) = (dp(mi, ni) - dsum[mi]) * (1.f - t * t);  // (dP - D) t', t' before any masking
+            s(mi, ni) = t;
+          }
+        }
+        if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            float const pr = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]);
+            s(mi, ni) = pr;
+            dp(mi, ni) *= pr;
+          }
+        }
+      } else {
+        warpgroup_wait<1>();  // S done; dP still running
+        warpgroup_fence_operand(acc_s);
+        if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) { s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]); }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(dp); ++ni) { dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum[mi]); }
+        }
+      }
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
+      auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+      auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
+      copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(sP));
+      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), smem_thr_pds.partition_D(sdS));
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+      cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+      wg_gemm<false, -1>(mma_dv, thr_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
+      wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt), tdKrQt(_, _, _, stage), acc_dk);
+      warpgroup_wait<2>();  // dQ done; dV and dK still running
+      warpgroup_fence_operand(acc_dq);
+      if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
       warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dp);
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(dp); ++ni) { dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum[mi]); }
-      }
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      pipeline_q.consumer_release(read_state);
+      pipeline_do.consumer_release(read_state);
     }
-    Tensor rP = convert_fragment<Element>(acc_s);
-    Tensor rdS = convert_fragment<Element>(acc_dp);
-
-    if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
-    copy(smem_copy_pds, smem_thr_pds.retile_S(rP), tPsP);
-    copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), tdSsdS);
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
-    cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
-
-    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
-    wg_gemm<false, -1>(mma_dv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
-    wg_gemm<false, -1>(mma_dk, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
-    warpgroup_wait<2>();  // dQ done; dV and dK still running
-    warpgroup_fence_operand(acc_dq);
-    if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
-    copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
-    tma_store_fence();  // generic-proxy stores -> the writer's TMA reads
+    tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
     cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, int(BwdNamedBarrier::kdQFull));
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dv);
-    warpgroup_fence_operand(acc_dk);
-    pipeline_q.consumer_release(read_state);
-    pipeline_do.consumer_release(read_state);
     ++read_state;
   }
 

@@ -2,13 +2,17 @@
 // roles, the five WGMMA tiled MMAs with their operand majors, the GMMA-swizzled shared-memory layouts
 // (with the transposed views the dK/dV/dQ GEMMs read), the Q/dO pipelines and the shared storage.
 //
-// GEMMs (all operands in shared memory):
-//   S  = Q  K^T   (block_m x block_n, k = d)    A = Q  K-major,      B = K  K-major
-//   dP = dO V^T   (block_m x block_n, k = d_v)  A = dO K-major,      B = V  K-major
-//   dV += P^T dO  (block_n x d_v,     k = block_m)  A = P^T MN-major, B = dO MN-major
-//   dK += dS^T Q  (block_n x d,       k = block_m)  A = dS^T MN-major, B = Q MN-major
-//   dQ  = dS K    (block_m x d,       k = block_n)  A = dS K-major,    B = K  MN-major
-// The MN-major operands are the K-major tiles seen through a transposing composition: no copies.
+// Two schedules, fixed by the tile:
+//  kSwapSdP (block_n = 128, d <= 128): the warpgroups compute S^T = K Q^T and dP^T = V dO^T, each for
+//    its own 64 keys, which are exactly the rows of dK/dV it accumulates. P^T and dS^T therefore stay
+//    in registers as the A operands of dV += P^T dO and dK += dS^T Q (register-sourced WGMMA, issued
+//    as soon as each is computed); only dS goes to shared memory (transposing stmatrix) for dQ.
+//  otherwise (block_n = 64): S = Q K^T and dP = dO V^T split along their columns; P and dS go to
+//    shared memory and every GEMM reads its operands there:
+//      dV += P^T dO  A = P^T MN-major,  B = dO MN-major
+//      dK += dS^T Q  A = dS^T MN-major, B = Q MN-major
+// In both, dQ = dS K reads A = dS K-major and B = K MN-major from shared memory. The MN-major operands
+// are the K-major tiles seen through a transposing composition: no copies.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -56,9 +60,19 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
                            kMajorA, kMajorB>(),
       Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
-  using TiledMmaSdP = TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>;
-  using TiledMmadK = TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>;
-  using TiledMmadV = TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>;
+  static constexpr bool kSwapSdP = kWgMdKV == 2;
+  // dK/dV from P^T / dS^T in registers: M = the warpgroup's 64 keys, K = block_m queries.
+  template <int kN>
+  using TiledMmadKVRS = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
+                                         TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
+  using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
+                                        TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
+  using TiledMmadV = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDimV>,
+                                        TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
   using TiledMmadQ = TiledMmaOf<kBlockM, kHeadDim, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
 
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
@@ -77,7 +91,8 @@ struct BwdTraits {
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementAccum>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static_assert(kHeadDim % 32 == 0, "the dQ staging swizzle needs head-dim buckets that are multiples of 32");
 
-  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;  // also dK/dV staging
+  using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
   using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;
 
   // dK/dV: 16-byte global stores from the staged tiles, by all consumer threads.
@@ -93,14 +108,18 @@ struct BwdTraits {
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineState = typename PipelineQ::PipelineState;
 
+  struct NoSmemP {
+    CUTE_HOST_DEVICE Element* data() { return nullptr; }
+  };
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;  // dK staged here at the end
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;  // dV staged here at the end
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> smem_p;
+    alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> smem_ds;
     alignas(1024) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdQ>> smem_dq;
+    alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineQ::SharedStorage pipeline_do;
