@@ -10,13 +10,14 @@
 //                        the dq accumulator with one TMA reduce-add (in KV-block order behind a
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it.
-//   warpgroups 1, 2      consumers: S = Q K^T and dP = dO V^T; P = exp2(S * scale_log2 - lse_log2)
-//                        from the forward's LSE, dS = P * (dP - D) (times the tanh derivative under
-//                        softcap); P and dS to shared memory; dQ = dS K, dV += P^T dO, dK += dS^T Q
-//                        (dK/dV accumulate in registers over the whole walk); dQ staged for the writer.
-// Consumer synchronization per step (named barriers over the 256 consumer threads): kPdSEmpty before
-// P/dS are overwritten (both warpgroups read all of them), kPdSFull once they are written; the Q/dO
-// stage is released after the dK/dV GEMMs that read it have completed.
+//   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
+//                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
+//                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
+//                        (accumulated in registers over the whole walk); dQ = dS K staged for the writer.
+// Consumer synchronization per step (named barriers over the 256 consumer threads): kPdSFull once dS
+// (and P) of the step are in shared memory, since both warpgroups read all of them; without kSwapSdP,
+// kPdSEmpty before they are overwritten (kSwapSdP double-buffers dS instead). The Q/dO stage is
+// released after the GEMMs that read it have completed.
 // Rows past seqlen_q get lse_log2 = +inf (P = 0); columns past seqlen_k and outside the band are
 // masked to -inf, so padded rows and columns contribute exact zeros.
 #pragma once
@@ -106,12 +107,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutV{});
   Tensor sP = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdS{});
-  Tensor sdS = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutdS{});  // (m, n, stage)
   Tensor sQt = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdOt{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKt{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdSt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutdSt{});
   Tensor sdQ = make_tensor(make_smem_ptr(ss.smem_dq.data()), typename Traits::SmemLayoutdQ{});
 
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
@@ -339,17 +340,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       Tensor rdS = convert_fragment<Element>(acc_dp);
       wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
-      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory.
-      if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
+      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory. Its buffer was
+      // last read by step s - 2's dQ GEMMs, which both warpgroups completed before step s - 1's kPdSFull.
+      int const ds_stage = step % 2;
       auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
       auto smem_thr_ds = smem_copy_ds.get_thread_slice(thread_idx);
-      copy(smem_copy_ds, smem_thr_ds.retile_S(rdS), smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt)));
+      copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
+           smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))));
       if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
       // rP and rdS are read by the in-flight dV/dK GEMMs: they stay live (fenced) until those complete.
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);
       warpgroup_wait<0>();
       warpgroup_fence_operand(rP);
       warpgroup_fence_operand(rdS);
@@ -422,14 +425,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
       auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
       copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(sP));
-      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), smem_thr_pds.partition_D(sdS));
+      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), smem_thr_pds.partition_D(sdS(_, _, 0)));
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt, acc_dq);
       wg_gemm<false, -1>(mma_dv, thr_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
-      wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt), tdKrQt(_, _, _, stage), acc_dk);
+      wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
       warpgroup_wait<2>();  // dQ done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
       if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }

@@ -67,7 +67,7 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
+  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, (kSwapSdP ? 2 : 1), GMMA::Major::K, GMMA::Major::K>,
                                          TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
   using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
                                         TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
@@ -75,17 +75,25 @@ struct BwdTraits {
                                         TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
   using TiledMmadQ = TiledMmaOf<kBlockM, kHeadDim, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
 
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
-  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{},
-                                              Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kQStages>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutV = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
+  // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's half (d = 192: 96 columns).
+  template <int kCols>
+  using SmemAtomQKV = SmemAtomKMajor<Element, kSwapSdP ? kCols : kCols / 2>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kQStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
+  // dS is double-buffered under kSwapSdP, which lets a warpgroup write step s + 1's dS while the other
+  // may still read step s's (no "dS free" barrier); the other schedule has one P and one dS tile.
+  static constexpr int kdSStages = kSwapSdP ? 2 : 1;
   using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomKMajor<Element, kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtomKMajor<Element, kBlockN>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSStages>>{}));
   using SmemLayoutQt = Transposed3<SmemLayoutQ, kBlockM, kHeadDim, kQStages>;
   using SmemLayoutdOt = Transposed3<SmemLayoutdO, kBlockM, kHeadDimV, kQStages>;
   using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
+  using SmemLayoutdSt = Transposed3<SmemLayoutdS, kBlockM, kBlockN, kdSStages>;
   // fp32 dQ staging tile, 128-byte swizzled (conflict-free accumulator stores); read by the TMA
   // reduce-add into the dq accumulator.
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementAccum>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -117,7 +125,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
     alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>> smem_ds;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> smem_ds;
     alignas(1024) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdQ>> smem_dq;
     alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
