@@ -1,13 +1,13 @@
 // Hopper backward kernel (sm_90a): warp-specialized TMA producer, dQ writer and WGMMA consumers.
 //
 // One CTA owns block_n keys of one KV head (grid: KV blocks x KV heads x batch; low KV blocks, the
-// longest under a causal mask, start first) and walks every query block of every query head of that
+// longest under a causal mask, start first, except in deterministic mode) and walks every query block of every query head of that
 // head's group that sees those keys, so GQA/MQA dK/dV are register sums.
 // Roles:
 //   warpgroup 0, warp 0  producer: K and V once (one transaction barrier), then Q and dO of each step
 //                        through two kQStages-deep PipelineTmaAsync pipelines.
 //   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
-//                        the dq accumulator with one TMA reduce-add (in KV-block order behind a
+//                        the dq accumulator with one TMA reduce-add (in descending KV-block order behind a
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
@@ -90,7 +90,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
-  int const n_block = blockIdx.x, bidh_k = blockIdx.y, bidb = blockIdx.z;
+  // Deterministic mode adds each query block's dQ contributions in descending KV-block order, and the
+  // grid runs high KV blocks first: under a causal mask KV block n starts at its diagonal, so block
+  // n - 1 reaches a query block after n has, and no CTA waits in steady state (ascending order would
+  // make block n wait for the walk of all lower blocks). A CTA only ever waits for CTAs launched
+  // before it, which cannot deadlock.
+  int const n_block = b.deterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  int const bidh_k = blockIdx.y, bidb = blockIdx.z;
   SeqInfo const seq(p, bidb);
   if (n_block * kBlockN >= seq.seqlen_k) { return; }  // uniform over the CTA, before any barrier
   int m_block_min, m_block_max;
@@ -200,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + st.bidh) * sem_blocks +
                       st.m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
           if (lane == 0) {
-            while (*reinterpret_cast<int const volatile*>(semaphore) != n_block - n_block_lo) {}
+            while (*reinterpret_cast<int const volatile*>(semaphore) != n_block_hi - 1 - n_block) {}
             __threadfence();
           }
         }
