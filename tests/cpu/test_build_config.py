@@ -173,9 +173,14 @@ def test_manifest_full_preset_contents(tmp_path):
     ampere = [k for k in cfg["kernels"] if k["path"] == "ampere"]
     assert ampere and all(k["archs"] == ["sm_80", "sm_90"] for k in ampere)
     assert {k["op"] for k in cfg["kernels"]} == {"fwd", "bwd"}
-    # The Hopper backward is not written yet: the backward is Ampere-path only (it runs on sm_90 too).
-    assert {k["path"] for k in cfg["kernels"] if k["op"] == "bwd"} == {"ampere"}
-    assert {k["path"] for k in cfg["kernels"] if k["op"] == "fwd"} == {"ampere", "hopper"}
+    # Both operations have both kernel families, each for every configuration.
+    for op in ("fwd", "bwd"):
+        assert {k["path"] for k in cfg["kernels"] if k["op"] == op} == {"ampere", "hopper"}
+        configs = {}
+        for k in cfg["kernels"]:
+            if k["op"] == op:
+                configs.setdefault(k["path"], set()).add((k["dtype"], k["head_dim"], k["head_dim_v"], k["mask"], k["softcap"]))
+        assert configs["ampere"] == configs["hopper"]
     for k in cfg["kernels"]:
         assert k["archs"] == [f"sm_{a}" for a in manifest.path_archs(k["path"], cfg["archs"])]
 
