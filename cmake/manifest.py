@@ -76,8 +76,13 @@ def path_archs(path: str, archs: list[str]) -> list[str]:
     raise ValueError(path)
 
 
-def enumerate_kernels(archs: str, dtypes: str, hdims: str, features: str) -> list[dict]:
+def enumerate_kernels(archs: str, dtypes: str, hdims: str, features: str, ops: str = "") -> list[dict]:
+    """Every kernel instance of the options; `ops` (e.g. "fwd") limits the operations (empty = all)."""
     arch_list = _split(archs)
+    op_list = _split(ops) or list(OPS)
+    for op in op_list:
+        if op not in OPS:
+            raise ValueError(f"unknown operation {op}; known: {sorted(OPS)}")
     for a in arch_list:
         if a not in ("80", "86", "89", "90", "90a"):
             raise ValueError(f"unsupported arch {a}; use 80, 86, 89 or 90a")
@@ -90,6 +95,8 @@ def enumerate_kernels(archs: str, dtypes: str, hdims: str, features: str) -> lis
             raise ValueError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
     kernels = []
     for op, paths in OPS.items():
+        if op not in op_list:
+            continue
         for path in paths:
             sass = path_archs(path, arch_list)
             if not sass:
@@ -142,6 +149,7 @@ def build_config(kernels: list[dict], args) -> dict:
     return dict(abi_version=args.abi_version, version=args.version, kernel_set=args.kernel_set,
                 archs=_split(args.archs), dtypes=_split(args.dtypes),
                 head_dims=[list(p) for p in parse_hdims(args.hdims)], features=_split(args.features),
+                ops=_split(args.ops) or list(OPS),
                 cuda_version=args.cuda_version, cutlass_version=args.cutlass_version, kernels=kernels)
 
 
@@ -163,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="")
     ap.add_argument("--hdims", default="")
     ap.add_argument("--features", default="", help="empty = preset; 'none' = no optional features")
+    ap.add_argument("--ops", default="", help="operations to build, e.g. fwd (empty = all)")
     ap.add_argument("--version", default="0.0.0")
     ap.add_argument("--abi-version", type=int, default=abi_version())
     ap.add_argument("--cuda-version", default="")
@@ -175,7 +184,7 @@ def main(argv=None) -> int:
     if args.features == "none":
         args.features = ""
 
-    kernels = enumerate_kernels(args.archs, args.dtypes, args.hdims, args.features)
+    kernels = enumerate_kernels(args.archs, args.dtypes, args.hdims, args.features, args.ops)
     os.makedirs(os.path.join(args.out, "kernels"), exist_ok=True)
     families: dict[str, list[str]] = {"ampere": [], "hopper": []}
     for k in kernels:

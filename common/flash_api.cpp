@@ -105,6 +105,7 @@ FT_EXPORT int ft_mha_fwd(FtFwdParams const* params, void* stream) {
   FtFwdParams const& p = *params;
   int major = 0;
   if (int rc = check_common(p, major)) { return rc; }
+  if (!p.tile_counter) { return fail(kFtInvalidArgument, "tile_counter is NULL"); }
   if (p.batch == 0 || p.seqlen_q == 0) { return kFtOk; }
   FwdParams const fp = make_fwd_params(p);
   FwdKernelEntry const* entry = nullptr;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 3
+#define FT_ABI_VERSION 4
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -55,6 +55,9 @@ typedef struct FtFwdParams {
   const int32_t* cu_seqlens_k;  // (b + 1) or NULL
   const int32_t* seqused_q;     // (b) or NULL: rows actually used per batch
   const int32_t* seqused_k;     // (b) or NULL
+  // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): one int32 of device memory, any
+  // content; the launch clears it on the stream. One per call in flight (not shared across streams).
+  int32_t* tile_counter;
 
   int32_t batch;
   int32_t seqlen_q;  // padded: per-batch length; varlen: max_seqlen_q

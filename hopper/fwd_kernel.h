@@ -1,8 +1,9 @@
 // Hopper forward kernel (sm_90a): warp-specialized TMA producer + WGMMA consumers.
 //
-// Roles (persistent: one CTA per SM walks the tiles of hopper/tile_scheduler.h):
+// Roles (persistent: one CTA per SM takes tiles from the dynamic scheduler of hopper/tile_scheduler.h):
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
-//                and of its K and V blocks (last block first) into kStages-deep mbarrier pipelines.
+//                and of its K and V blocks (last block first) into kStages-deep mbarrier pipelines,
+//                then fetches the next tile index and hands it to the consumers (TileHandoff).
 //                The next tile's first K block is loaded before waiting (kQueryEmpty) for the
 //                consumers to finish reading the previous tile's Q/O region.
 //   warpgroups 1..kNMmaWarpGroups  consumers: setmaxnreg up; each owns 64 query rows and runs
@@ -53,6 +54,7 @@ struct FwdKernelParams {
                                       select<2, 1>(typename Traits::TileShapePV{}), _1{}));
   FwdParams fwd;
   int num_m_blocks;
+  int heads_per_section;
   ShapeQKV shape_q, shape_k, shape_v;
   TmaQ tma_q;
   TmaK tma_k;
@@ -90,7 +92,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kQueryEmptyThreads = Traits::kNMmaThreads + 32;  // consumers + the producer warp
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch};
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
+  int const num_tiles = sched.num_tiles();
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -99,6 +102,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
   Tensor sO = make_tensor(make_smem_ptr(ss.smem_o.data()), typename Traits::SmemLayoutO{});
+  TileHandoff<kQueryEmptyThreads, int(FwdNamedBarrier::kTileEmpty), int(FwdNamedBarrier::kTileFull)> const
+      handoff{&ss.next_tile};
 
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -130,9 +135,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
     bool q_in_use = false;  // consumers still hold Q/O of an earlier tile
-    for (int idx = blockIdx.x; idx < sched.num_tiles(); idx += gridDim.x) {
-      TileWork const w = make_tile_work<Traits>(params, sched, idx);
-      if (!w.active) { continue; }
+    auto produce_tile = [&](TileWork const& w) {
       int const bidh_k = w.coord.bidh / params.h_h_k_ratio;
       Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
                              select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
@@ -172,6 +175,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         ++write_state;
       }
+    };
+    int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
+    for (int idx = blockIdx.x; idx < num_tiles;) {
+      // The next index is fetched first so the atomic's latency hides behind this tile's loads.
+      int next = 0;
+      if (lane_predicate) { next = sched.fetch_next(); }
+      TileWork const w = make_tile_work<Traits>(params, sched, idx);
+      if (w.active) { produce_tile(w); }
+      idx = __shfl_sync(0xffffffff, next, leader_lane);
+      handoff.producer_publish(idx, lane_predicate);
     }
     // Matches the consumers' release of the last tile's Q/O.
     if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
@@ -200,7 +213,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   PipelineState read_state;
   int q_phase = 0;
-  for (int idx = blockIdx.x; idx < sched.num_tiles(); idx += gridDim.x) {
+  handoff.consumer_start();
+  // `continue` also goes through the hand-off (the loop's increment).
+  for (int idx = blockIdx.x; idx < num_tiles; idx = handoff.consumer_receive(num_tiles)) {
     TileWork const w = make_tile_work<Traits>(params, sched, idx);
     int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
     if (!w.in_range) { continue; }

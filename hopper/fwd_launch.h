@@ -1,5 +1,6 @@
 // Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V (rows, d, heads, batch),
-// dynamic shared memory opt-in and the persistent grid (one CTA per SM at most). Host only; instantiated once per manifest entry.
+// dynamic shared memory opt-in, the scheduler's section size and counter reset, and the persistent
+// grid (one CTA per SM at most). Host only; instantiated once per manifest entry.
 #pragma once
 
 #include <algorithm>
@@ -46,10 +47,18 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device)) {
     return LaunchStatus::cuda(e, "cudaDeviceGetAttribute");
   }
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch};
-  // Band masks give tiles of very different lengths: one CTA per tile lets the hardware hand them out
-  // dynamically (longest first), which measured faster than a static persistent split (causal, 4k-16k).
-  dim3 const grid(kIsBand ? sched.num_tiles() : std::min(sched.num_tiles(), num_sms));
+  // Band masks interleave the (head, batch) pairs of one section longest-first: as many as keep their
+  // K/V within kL2SectionBytes (a share of the 50 MB L2 that leaves room for Q/O traffic); query heads
+  // of one KV head share its K/V.
+  constexpr int64_t kL2SectionBytes = 32ll << 20;
+  int64_t const kv_bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element));
+  int64_t const section = kL2SectionBytes / std::max<int64_t>(kv_bytes, 1) * params.h_h_k_ratio;
+  kp.heads_per_section = int(std::clamp<int64_t>(section, 1, int64_t(p.num_heads) * p.batch));
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
+  if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
+    return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+  }
+  dim3 const grid(std::min(sched.num_tiles(), num_sms));
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
   return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
 }

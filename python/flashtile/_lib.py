@@ -11,7 +11,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 3  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 4  # must equal FT_ABI_VERSION in common/flash_api.h
 BWD_SEMAPHORE_ROWS = 64  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
 
@@ -39,6 +39,7 @@ class FtFwdParams(ctypes.Structure):
         ("lse_batch_stride", ctypes.c_int64), ("lse_head_stride", ctypes.c_int64),
         ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
         ("seqused_q", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
+        ("tile_counter", ctypes.c_void_p),
         ("batch", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("rows_q", ctypes.c_int32), ("rows_k", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_heads_k", ctypes.c_int32),

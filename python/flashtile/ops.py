@@ -116,6 +116,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
     p = _lib.FtFwdParams()
     _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+    # The tile scheduler's counter (cleared by the launch), from torch's allocator so that concurrent
+    # calls and CUDA graphs each get their own.
+    tile_counter = torch.empty(1, dtype=torch.int32, device=q.device)
+    p.tile_counter = tile_counter.data_ptr()
     _launch("ft_mha_fwd", p, q.device, "forward")
     return out, lse
 

@@ -145,6 +145,7 @@ def test_manifest_presets(tmp_path, kernel_set):
     assert cfg["dtypes"] == manifest._split(preset["dtypes"])
     assert cfg["head_dims"] == [list(p) for p in manifest.parse_hdims(preset["hdims"])]
     assert cfg["features"] == manifest._split(preset["features"])
+    assert cfg["ops"] == list(manifest.OPS)
     assert cfg["kernels"] == manifest.enumerate_kernels(preset["archs"], preset["dtypes"], preset["hdims"],
                                                         preset["features"])
     assert cfg["kernels"], "every preset builds at least one kernel"
@@ -243,6 +244,15 @@ def test_manifest_archs_per_path():
 def test_manifest_rejects_invalid_options(archs, dtypes, hdims, features, match):
     with pytest.raises(ValueError, match=match):
         manifest.enumerate_kernels(archs, dtypes, hdims, features)
+
+
+def test_manifest_ops_filter():
+    ks = manifest.enumerate_kernels("80;90a", "bf16", "128", "", "fwd")
+    assert ks and {k["op"] for k in ks} == {"fwd"} and {k["path"] for k in ks} == {"ampere", "hopper"}
+    assert manifest.enumerate_kernels("80;90a", "bf16", "128", "", "fwd;bwd") == \
+        manifest.enumerate_kernels("80;90a", "bf16", "128", "")
+    with pytest.raises(ValueError, match=r"unknown operation combine"):
+        manifest.enumerate_kernels("80", "bf16", "128", "", "combine")
 
 
 def test_manifest_main_rejects_invalid_options(tmp_path):
@@ -409,7 +419,7 @@ def test_loader_configures_both_entry_points(fake_library_dir):
 def test_loader_rejects_older_abi_before_looking_up_new_symbols(fake_library_dir):
     # A version-2 library has no backward symbols: the error must be the ABI one, not an AttributeError.
     fake_library_dir(*_stand_in(ft_abi_version=2, ft_bwd_params_size=None, ft_mha_bwd=None))
-    with pytest.raises(flashtile.LibraryNotAvailableError, match=r"ABI version 2, this Python package expects 3"):
+    with pytest.raises(flashtile.LibraryNotAvailableError, match=rf"ABI version 2, this Python package expects {_lib.ABI_VERSION}"):
         _lib.lib()
     assert _lib._lib is None
 
@@ -536,7 +546,8 @@ def test_installed_library_embeds_installed_config(fresh_config):
 def test_installed_config_matches_manifest():
     cfg = INSTALLED
     expected = manifest.enumerate_kernels(";".join(cfg["archs"]), ";".join(cfg["dtypes"]),
-                                          _hdims_spec(cfg["head_dims"]), ";".join(cfg["features"]))
+                                          _hdims_spec(cfg["head_dims"]), ";".join(cfg["features"]),
+                                          ";".join(cfg["ops"]))
     assert cfg["kernels"] == expected
     assert cfg["kernels"], "the installed library has no kernels"
     assert cfg["kernel_set"] in manifest.KERNEL_SETS
