@@ -17,10 +17,7 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.fwd.abi;
   auto kernel = bwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
-  if (LaunchStatus s = check_smem_fits(p.device, kSmem); !s.ok()) { return s; }
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
-    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
-  }
+  if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
   if (LaunchStatus s = launch_bwd_preprocess<Element>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);

@@ -14,10 +14,7 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
   auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
-  if (LaunchStatus s = check_smem_fits(params.abi.device, kSmem); !s.ok()) { return s; }
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
-    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
-  }
+  if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), params.abi.device, kSmem); !s.ok()) { return s; }
   int const num_m_blocks = (params.abi.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   dim3 const grid(num_m_blocks, params.abi.num_heads, params.abi.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);

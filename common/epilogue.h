@@ -48,6 +48,29 @@ CUTE_DEVICE void store_o_tile(TiledCopy const& copy_o, TensorR& tOrO, TensorG& t
   store_rows(copy_o, tOrO, tOgO, tOcO, seq.seqlen_q_alloc - row0, head_dim_v);
 }
 
+// The same O tile straight from shared memory, one row group at a time: a fraction of the registers
+// of staging the whole tile (for wide tiles whose consumers have none to spare), at the cost of
+// holding the shared memory until the stores are issued.
+template <class TiledCopy, class TensorS, class TensorG, class TensorC>
+CUTE_DEVICE void store_o_tile_from_smem(TiledCopy const& copy_o, TensorS const& tOsO, TensorG& tOgO, TensorC const& tOcO,
+                                        int row0, SeqInfo const& seq, int head_dim_v) {
+  CUTE_UNROLL
+  for (int m = 0; m < cute::size<1>(tOsO); ++m) {
+    int const row = row0 + cute::get<0>(tOcO(0, m, 0));
+    if (row >= seq.seqlen_q_alloc) { continue; }
+    cute::Tensor tR = cute::make_fragment_like(tOsO(cute::_, m, cute::_));
+    if (row < seq.seqlen_q) {
+      cute::copy(copy_o, tOsO(cute::_, m, cute::_), tR);
+    } else {
+      cute::clear(tR);
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < cute::size<1>(tR); ++k) {
+      if (cute::get<1>(tOcO(0, m, k)) < head_dim_v) { cute::copy(copy_o, tR(cute::_, k), tOgO(cute::_, m, k)); }
+    }
+  }
+}
+
 // A tile staged in shared memory (tS: the copy's partition of it) to global memory through registers.
 template <class TiledCopy, class TensorS, class TensorD, class TensorC>
 CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, TensorD&& tD, TensorC const& tC, int max_row,

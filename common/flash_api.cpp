@@ -12,6 +12,7 @@
 #include "common/dispatch.h"
 #include "common/bwd_params.h"
 #include "common/fwd_params.h"
+#include "common/launch_status.h"
 #include "common/tile_policy.h"
 
 namespace {
@@ -53,9 +54,9 @@ int check_common(FtFwdParams const& p, int& major) {
   if (cudaError_t e = cudaSetDevice(p.device)) {
     return fail(kFtCudaError, std::string("cudaSetDevice: ") + cudaGetErrorString(e));
   }
-  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device)) {
-    return fail(kFtCudaError, std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(e));
-  }
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return fail(s.code, s.message); }
+  major = attrs.cc_major;
   if (major < 8) { return fail(kFtUnsupportedDevice, "flashtile needs compute capability 8.0 or newer"); }
   return kFtOk;
 }

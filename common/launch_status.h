@@ -2,8 +2,12 @@
 // (not enough shared memory, no code for this GPU) without exceptions crossing the C ABI.
 #pragma once
 
+#include <atomic>
 #include <cstdio>
+#include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -28,18 +32,59 @@ struct LaunchStatus {
   }
 };
 
-// Fails cleanly when a kernel's shared memory exceeds what the device grants one block.
-inline LaunchStatus check_smem_fits(int device, int smem_bytes) {
-  int limit = 0;
-  if (cudaError_t e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) {
-    return LaunchStatus::cuda(e, "cudaDeviceGetAttribute");
+// Per-device attributes the launchers need, queried once per device (the host path of a launch is
+// paid on every call, and short sequences are bound by it).
+struct DeviceAttrs {
+  int cc_major = 0;
+  int num_sms = 0;
+  int smem_optin = 0;  // dynamic shared memory a block may opt in to
+};
+
+inline LaunchStatus device_attrs(int device, DeviceAttrs& out) {
+  constexpr int kMaxDevices = 64;
+  static DeviceAttrs cache[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  bool const cached = device >= 0 && device < kMaxDevices;
+  if (cached && ready[device].load(std::memory_order_acquire)) {
+    out = cache[device];
+    return {};
   }
-  if (smem_bytes > limit) {
+  DeviceAttrs a;
+  for (auto [attr, dst] : {std::pair{cudaDevAttrComputeCapabilityMajor, &a.cc_major},
+                           std::pair{cudaDevAttrMultiProcessorCount, &a.num_sms},
+                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &a.smem_optin}}) {
+    if (cudaError_t e = cudaDeviceGetAttribute(dst, attr, device)) { return LaunchStatus::cuda(e, "cudaDeviceGetAttribute"); }
+  }
+  if (cached) {
+    cache[device] = a;  // racing writers store the same values
+    ready[device].store(true, std::memory_order_release);
+  }
+  out = a;
+  return {};
+}
+
+// Checks that `kernel` fits the device's shared memory and raises its dynamic limit to smem_bytes,
+// once per (kernel, device).
+inline LaunchStatus opt_in_smem(void const* kernel, int device, int smem_bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<void const*, int>> done;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (done.count({kernel, device})) { return {}; }
+  }
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(device, attrs); !s.ok()) { return s; }
+  if (smem_bytes > attrs.smem_optin) {
     char buf[160];
     std::snprintf(buf, sizeof(buf), "kernel needs %d bytes of shared memory per block; device %d allows %d",
-                  smem_bytes, device, limit);
+                  smem_bytes, device, attrs.smem_optin);
     return {kFtUnsupportedDevice, buf};
   }
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes)) {
+    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  done.insert({kernel, device});
   return {};
 }
 

@@ -21,10 +21,7 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   FtBwdParams const& b = params.abi;
   auto kernel = bwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
-  if (LaunchStatus s = check_smem_fits(p.device, kSmem); !s.ok()) { return s; }
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
-    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
-  }
+  if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
 
   int const batch_q = p.cu_seqlens_q ? 1 : p.batch;
   int const batch_k = p.cu_seqlens_k ? 1 : p.batch;

@@ -70,8 +70,7 @@ struct TileWork {
 };
 
 template <class Traits, bool kIsBand>
-CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileScheduler<kIsBand> const& sched, int idx) {
-  TileCoord const c = sched.tile(idx);
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c) {
   SeqInfo const seq(params.abi, c.bidb);
   TileWork w{c, seq, 0, 0, c.m_block * Traits::kBlockM < seq.seqlen_q_alloc, false};
   if (w.in_range) {
@@ -93,7 +92,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
-  int const num_tiles = sched.num_tiles();
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -177,14 +175,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     };
     int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
+    int const num_tiles = sched.num_tiles();
     for (int idx = blockIdx.x; idx < num_tiles;) {
       // The next index is fetched first so the atomic's latency hides behind this tile's loads.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(); }
-      TileWork const w = make_tile_work<Traits>(params, sched, idx);
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx));
       if (w.active) { produce_tile(w); }
       idx = __shfl_sync(0xffffffff, next, leader_lane);
-      handoff.producer_publish(idx, lane_predicate);
+      handoff.producer_publish(idx < num_tiles ? sched.tile(idx) : handoff.kDone, lane_predicate);
     }
     // Matches the consumers' release of the last tile's Q/O.
     if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
@@ -215,8 +214,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int q_phase = 0;
   handoff.consumer_start();
   // `continue` also goes through the hand-off (the loop's increment).
-  for (int idx = blockIdx.x; idx < num_tiles; idx = handoff.consumer_receive(num_tiles)) {
-    TileWork const w = make_tile_work<Traits>(params, sched, idx);
+  for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive()) {
+    TileWork const w = make_tile_work<Traits, kIsBand>(params, coord);
     int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
     if (!w.in_range) { continue; }
     if (!w.active) {
@@ -248,11 +247,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
                             make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
     Tensor tOgO = gmem_thr_o.partition_D(local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
-    Tensor tOrOg = make_tensor<Element>(shape(tOgO));
-    copy(gmem_copy_o, tOsO, tOrOg);
-    // Q/O may now be overwritten by the next tile's Q.
-    cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
-    store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
+    if constexpr (kHeadDimV <= 128) {
+      // The whole tile into registers first, so the next tile's Q can load during the global stores.
+      Tensor tOrOg = make_tensor<Element>(shape(tOgO));
+      copy(gmem_copy_o, tOsO, tOrOg);
+      cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
+      store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
+    } else {
+      store_o_tile_from_smem(gmem_copy_o, tOsO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
+      cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
+    }
   }
 }
 

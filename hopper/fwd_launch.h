@@ -19,10 +19,7 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.abi;
   auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
-  if (LaunchStatus s = check_smem_fits(p.device, kSmem); !s.ok()) { return s; }
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem)) {
-    return LaunchStatus::cuda(e, "cudaFuncSetAttribute");
-  }
+  if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
 
   // Packed (varlen) tensors: one "batch" of rows_* rows; the kernel offsets by cu_seqlens.
   int const batch_q = p.cu_seqlens_q ? 1 : p.batch;
@@ -43,10 +40,9 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
                            take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}), _1{});
 
   kp.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  int num_sms = 0;
-  if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, p.device)) {
-    return LaunchStatus::cuda(e, "cudaDeviceGetAttribute");
-  }
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
+  int const num_sms = attrs.num_sms;
   // Band masks interleave the (head, batch) pairs of one section longest-first: as many as keep their
   // K/V within kL2SectionBytes (a share of the 50 MB L2 that leaves room for Q/O traffic); query heads
   // of one KV head share its K/V.

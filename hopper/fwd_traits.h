@@ -9,6 +9,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/tile_policy.h"
+#include "hopper/tile_scheduler.h"
 
 namespace flashtile::hopper {
 
@@ -81,7 +82,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
-    int next_tile;  // the scheduler's hand-off slot (hopper/tile_scheduler.h)
+    TileCoord next_tile;  // the scheduler's hand-off slot (hopper/tile_scheduler.h)
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;
   };

@@ -53,27 +53,30 @@ struct TileScheduler {
   CUTE_DEVICE int fetch_next() const { return int(gridDim.x) + atomicAdd(tile_counter, 1); }
 };
 
-// Hands the next tile index from the producer warp to the consumer warpgroups through one int of
-// shared memory, guarded by two named barriers (kThreads = consumers + the producer warp):
+// Hands the next tile's coordinates from the producer warp to the consumer warpgroups through shared
+// memory (so the consumers run none of the scheduler's index math), guarded by two named barriers
+// (kThreads = consumers + the producer warp):
 //   producer: sync(empty) -> write -> arrive(full)     consumers: sync(full) -> read -> arrive(empty)
-// The consumers arrive on `empty` once before their first tile, and skip their arrival after reading
-// the terminating index, so every barrier phase that is started completes.
+// m_block < 0 ends the walk. The consumers arrive on `empty` once before their first tile, and skip
+// their arrival after reading the end marker, so every barrier phase that is started completes.
 template <int kThreads, int kEmptyId, int kFullId>
 struct TileHandoff {
-  int* slot;
+  TileCoord* slot;
+
+  static constexpr TileCoord kDone{-1, 0, 0};
 
   CUTE_DEVICE void consumer_start() const { cutlass::arch::NamedBarrier::arrive(kThreads, kEmptyId); }
 
-  CUTE_DEVICE void producer_publish(int next, bool lane_leader) const {
+  CUTE_DEVICE void producer_publish(TileCoord next, bool lane_leader) const {
     cutlass::arch::NamedBarrier::sync(kThreads, kEmptyId);
     if (lane_leader) { *slot = next; }
     cutlass::arch::NamedBarrier::arrive(kThreads, kFullId);
   }
 
-  CUTE_DEVICE int consumer_receive(int num_tiles) const {
+  CUTE_DEVICE TileCoord consumer_receive() const {
     cutlass::arch::NamedBarrier::sync(kThreads, kFullId);
-    int const next = *slot;
-    if (next < num_tiles) { cutlass::arch::NamedBarrier::arrive(kThreads, kEmptyId); }
+    TileCoord const next = *slot;
+    if (next.m_block >= 0) { cutlass::arch::NamedBarrier::arrive(kThreads, kEmptyId); }
     return next;
   }
 };
