@@ -79,6 +79,33 @@ def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_se
     p.dtype, p.path, p.device = _DTYPES[q.dtype], path, q.get_device()  # CUDA ordinal
 
 
+# Padded-layout FtFwdParams by call metadata: everything but the data pointers, which are filled per
+# call (filling ~40 ctypes fields costs more than the rest of the host path).
+_fwd_templates: dict = {}
+_FWD_TEMPLATES_MAX = 1024
+
+
+def _padded_fwd_params(q, k, v, out, lse, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap, path) -> _lib.FtFwdParams:
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), lse.stride(),
+           q.dtype, q.get_device(), max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+           softcap, path)
+    template = _fwd_templates.get(key)
+    if template is None:
+        template = _lib.FtFwdParams()
+        _fill_fwd_params(template, q, k, v, out, lse, None, None, None, None, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_left, window_right, softcap, path)
+        if len(_fwd_templates) >= _FWD_TEMPLATES_MAX:
+            _fwd_templates.clear()
+        _fwd_templates[key] = template
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _validate.check_data_alignment(name, t)
+    p = _lib.FtFwdParams.from_buffer_copy(template)
+    p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    return p
+
+
 def _current_stream(device: torch.device) -> int:
     """The cudaStream_t of torch's current stream on `device` (a separate function so that CPU tests
     can substitute it)."""
@@ -113,9 +140,13 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    p = _lib.FtFwdParams()
-    _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+    if varlen or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None:
+        p = _lib.FtFwdParams()
+        _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+    else:
+        p = _padded_fwd_params(q, k, v, out, lse, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                               window_right, softcap, path)
     # The tile scheduler's counter (cleared by the launch), from torch's allocator so that concurrent
     # calls and CUDA graphs each get their own.
     tile_counter = torch.empty(1, dtype=torch.int32, device=q.device)

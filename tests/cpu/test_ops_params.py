@@ -110,6 +110,38 @@ def test_fwd_params_padded(lib):
     assert out.shape == (3, 17, 6, 128) and lse.shape == (3, 6, 17)
 
 
+def _struct_fields(p):
+    return {name: getattr(p, name) for name, _ in type(p)._fields_}
+
+
+def test_fwd_params_template_reuse(lib):
+    """A second call with the same metadata reuses the cached struct: identical fields except the
+    data pointers, which are the new tensors'; different arguments miss the cache."""
+    q1, k1, v1 = _rand(2, 33, 4, 64), _rand(2, 50, 2, 64), _rand(2, 50, 2, 64)
+    q2, k2, v2 = (t.clone() for t in (q1, k1, v1))
+    out1, lse1 = ops._fwd_impl(*_fwd_args(q1, k1, v1, causal=True, right=0))
+    out2, lse2 = ops._fwd_impl(*_fwd_args(q2, k2, v2, causal=True, right=0))
+    ops._fwd_impl(*_fwd_args(q2, k2, v2, causal=False))
+    (p1, _), (p2, _), (p3, _) = lib.fwd_calls
+    f1, f2 = _struct_fields(p1), _struct_fields(p2)
+    per_call = {"q", "k", "v", "out", "lse", "tile_counter"}
+    assert {n for n in f1 if f1[n] != f2[n]} <= per_call
+    assert (p2.q, p2.k, p2.v, p2.out, p2.lse) == (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), out2.data_ptr(),
+                                                  lse2.data_ptr())
+    assert p2.tile_counter  # a scheduler counter of the call's own, never the template's
+    assert (p1.is_causal, p3.is_causal) == (1, 0)
+
+
+def test_fwd_params_template_checks_base_address(lib):
+    """The cached path still rejects a misaligned base address (same shape and strides)."""
+    q, k, v = _rand(1, 16, 2, 64), _rand(1, 16, 2, 64), _rand(1, 16, 2, 64)
+    ops._fwd_impl(*_fwd_args(q, k, v))
+    shifted = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16 != 0
+    with pytest.raises(ValueError, match=r"q data pointer must be 16-byte aligned"):
+        ops._fwd_impl(*_fwd_args(shifted, k, v))
+
+
 def test_fwd_params_varlen(lib):
     fp16 = torch.float16
     q, k, v = _rand(11, 4, 64, dtype=fp16), _rand(23, 2, 64, dtype=fp16), _rand(23, 2, 64, dtype=fp16)

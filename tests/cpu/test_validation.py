@@ -493,3 +493,29 @@ def test_loader_rejects_unloadable_file(empty_library_dir):
     with pytest.raises(flashtile.LibraryNotAvailableError, match=r"could not be loaded"):
         LOAD_LIBRARY()
     assert _lib._lib is None
+
+
+def test_validated_calls_are_cached_by_metadata(monkeypatch):
+    """Eager padded calls skip re-validation only when every piece of metadata and every argument is
+    the same as a call that passed; anything else is validated (and rejected) afresh."""
+    calls = []
+    monkeypatch.setattr(interface, "_fwd_op", lambda *args: calls.append(args) or (args[0], None))
+    monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
+    monkeypatch.setattr(interface.V, "check_same_device", lambda tensors: None)
+    monkeypatch.setattr(interface, "require_kernel", lambda **kw: ("stand-in",))
+    monkeypatch.setattr(interface, "_validated", {})
+    q, k, v = (torch.randn(B, s, h, D, dtype=BF16) for s, h in ((SQ, H), (SK, HK), (SK, HK)))
+    flash_attn_func(q, k, v, causal=True)
+    checks = []
+    monkeypatch.setattr(interface.V, "check_tensor", lambda *a: checks.append(a[0]))
+    flash_attn_func(q.clone(), k.clone(), v.clone(), causal=True)  # same metadata: served from the cache
+    assert checks == [] and calls[0][3:] == calls[1][3:]
+    flash_attn_func(q, k, v, causal=False)  # another argument: validated again
+    assert checks == ["q", "k", "v"] and calls[2][10] is False
+    monkeypatch.undo()
+    monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
+    monkeypatch.setattr(interface, "_fwd_op", lambda *args: (args[0], None))
+    with pytest.raises(ValueError, match=r"window_size"):
+        flash_attn_func(q, k, v, window_size=(-5, 0))
+    with pytest.raises(ValueError, match=r"k batch size"):
+        flash_attn_func(q, k[:1], v[:1])
