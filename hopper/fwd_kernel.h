@@ -2,21 +2,20 @@
 //
 // Roles (persistent: one CTA per SM takes tiles from the dynamic scheduler of hopper/tile_scheduler.h):
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
-//                and of its K and V blocks (last block first) into kStages-deep mbarrier pipelines,
-//                then fetches the next tile index and hands it to the consumers (TileHandoff).
-//                The next tile's first K block is loaded before waiting (kQueryEmpty) for the
-//                consumers to finish reading the previous tile's Q/O region.
+//                (kQStages-deep: the next tile's Q loads during the current tile where shared memory
+//                allows) and of its K and V blocks (last block first) into kStages-deep pipelines,
+//                then fetches the next tile and hands its coordinates to the consumers (TileHandoff).
 //   warpgroups 1..kNMmaWarpGroups  consumers: setmaxnreg up; each owns 64 query rows and runs
 //                S = Q K^T (WGMMA, both operands in shared memory), mask + online softmax in
 //                registers, O += P V (WGMMA, P from registers, V read MN-major); the schedule
 //                (intra-warpgroup overlap, ping-pong) lives in hopper/fwd_consumer.h.
-// Pipelines (cutlass::PipelineTmaAsync): producer arrival count 1 (the TMA thread, with the
-// transaction bytes of one K or V block); consumer arrival count kNMmaThreads (every consumer thread
-// releases a stage after its WGMMA on it has completed). Q has its own transaction barrier.
-// Epilogue: consumers stage O in shared memory over Q (see FwdTraits::SharedStorage), meet at the
-// kEpilogue named barrier, read O back, release the Q/O region to the producer (kQueryEmpty, counted
-// kNMmaThreads + 32: the producer warp syncs once per active tile after its first) and write O with
-// 16-byte predicated stores; the LSE goes out directly. Q's barrier phase flips once per active tile.
+// Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
+// transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
+// a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
+// read back).
+// Epilogue: consumers stage O in shared memory over the tile's Q stage, meet at the kEpilogue named
+// barrier, read O back (all of it into registers for d_v <= 128, else row group by row group), release
+// the Q stage and write O with 16-byte predicated stores; the LSE goes out directly.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -46,7 +45,7 @@ template <class Traits>
 struct FwdKernelParams {
   using Element = typename Traits::Element;
   using GmemQKV = GmemTensor<Element const>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, typename Traits::SmemLayoutQ{},
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
                                       select<0, 2>(typename Traits::TileShapeQK{}), _1{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutK{}),
                                       select<1, 2>(typename Traits::TileShapeQK{}), _1{}));
@@ -88,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDimV = Traits::kHeadDimV;
-  constexpr int kQueryEmptyThreads = Traits::kNMmaThreads + 32;  // consumers + the producer warp
+  constexpr int kHandoffThreads = Traits::kNMmaThreads + 32;  // consumers + the producer warp
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
@@ -99,15 +98,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(ss.smem_o.data()), typename Traits::SmemLayoutO{});
-  TileHandoff<kQueryEmptyThreads, int(FwdNamedBarrier::kTileEmpty), int(FwdNamedBarrier::kTileFull)> const
+  TileHandoff<kHandoffThreads, int(FwdNamedBarrier::kTileEmpty), int(FwdNamedBarrier::kTileFull)> const
       handoff{&ss.next_tile};
 
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   bool const lane_predicate = cute::elect_one_sync();
   if (warp_idx == 0 && lane_predicate) {
-    ss.barrier_q.init(1);
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
@@ -117,6 +114,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                          : MainloopPipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = Traits::kNMmaThreads;
+  typename Traits::PipelineQ::Params pipe_params_q;  // a type of its own when kQStages != kStages
+  pipe_params_q.role = warp_group_idx == 0 ? Traits::PipelineQ::ThreadCategory::Producer
+                                           : Traits::PipelineQ::ThreadCategory::Consumer;
+  pipe_params_q.is_leader = pipe_params.is_leader;
+  pipe_params_q.num_consumers = Traits::kNMmaThreads;
+  pipe_params_q.transaction_bytes = Traits::kTmaBytesQ;
+  typename Traits::PipelineQ pipeline_q(ss.pipeline_q, pipe_params_q, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Traits::kTmaBytesK;
   MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Traits::kTmaBytesV;
@@ -132,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-    bool q_in_use = false;  // consumers still hold Q/O of an earlier tile
+    auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
     auto produce_tile = [&](TileWork const& w) {
       int const bidh_k = w.coord.bidh / params.h_h_k_ratio;
       Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
@@ -145,18 +149,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto [tKgK, tKsK] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-      // The first K block goes out before waiting for the consumers to release Q/O.
+      // The first K block goes out before the Q stage may have to wait for an earlier tile's O.
       int n_block = w.n_block_max - 1;
       pipeline_k.producer_acquire(write_state);
       if (lane_predicate) {
         copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block), tKsK(_, write_state.index()));
       }
-      if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
-      q_in_use = true;
+      pipeline_q.producer_acquire(q_write_state);
       if (lane_predicate) {
-        ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-        copy(kp.tma_q.with(reinterpret_cast<uint64_t&>(ss.barrier_q), 0), tQgQ, tQsQ);
+        copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0), tQgQ, tQsQ(_, q_write_state.index()));
       }
+      ++q_write_state;
       pipeline_v.producer_acquire(write_state);
       if (lane_predicate) {
         copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block), tVsV(_, write_state.index()));
@@ -185,8 +188,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       idx = __shfl_sync(0xffffffff, next, leader_lane);
       handoff.producer_publish(idx < num_tiles ? sched.tile(idx) : handoff.kDone, lane_predicate);
     }
-    // Matches the consumers' release of the last tile's Q/O.
-    if (q_in_use) { cutlass::arch::NamedBarrier::sync(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty)); }
     return;
   }
 
@@ -207,11 +208,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
   typename Traits::GmemTiledCopyO gmem_copy_o;
   auto gmem_thr_o = gmem_copy_o.get_thread_slice(thread_idx);
-  Tensor tOsO = gmem_thr_o.partition_S(sO);
   Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
 
   PipelineState read_state;
-  int q_phase = 0;
+  typename Traits::PipelineStateQ q_read_state;
   handoff.consumer_start();
   // `continue` also goes through the hand-off (the loop's increment).
   for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive()) {
@@ -228,9 +228,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
     OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
 
-    ss.barrier_q.wait(q_phase);
-    q_phase ^= 1;
-    consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ, tSrK, tOrV, tOrO, tScS,
+    int const q_stage = q_read_state.index();
+    pipeline_q.consumer_wait(q_read_state);
+    consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ(_, _, _, q_stage), tSrK,
+                                                    tOrV, tOrO, tScS,
                                                     mask, softmax, params.softcap_scale, m_block, w.n_block_min,
                                                     w.n_block_max, warp_group_idx);
 
@@ -239,6 +240,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
     Tensor rO = convert_fragment<Element>(tOrO);
+    Tensor sO = make_tensor(make_smem_ptr(ss.smem_q.data() + q_stage * cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages),
+                            typename Traits::SmemLayoutO{});
     copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
 
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
@@ -247,16 +250,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
                             make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
     Tensor tOgO = gmem_thr_o.partition_D(local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
+    Tensor tOsO = gmem_thr_o.partition_S(sO);
     if constexpr (kHeadDimV <= 128) {
-      // The whole tile into registers first, so the next tile's Q can load during the global stores.
+      // The whole tile into registers first, so the Q/O stage is free during the global stores.
       Tensor tOrOg = make_tensor<Element>(shape(tOgO));
       copy(gmem_copy_o, tOsO, tOrOg);
-      cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
+      pipeline_q.consumer_release(q_read_state);
       store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
     } else {
       store_o_tile_from_smem(gmem_copy_o, tOsO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
-      cutlass::arch::NamedBarrier::arrive(kQueryEmptyThreads, int(FwdNamedBarrier::kQueryEmpty));
+      pipeline_q.consumer_release(q_read_state);
     }
+    ++q_read_state;
   }
 }
 

@@ -50,7 +50,14 @@ struct FwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayoutMma{}));
 
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // Q is double-buffered where shared memory allows (d <= 128; d = 192 with d_v = 128): the next
+  // tile's Q loads while the current tile runs, so a tile never starts by waiting for its Q.
+  static constexpr int kSmemQStageBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemKVBytes = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
+  static constexpr int kSmemLimitBytes = 227 * 1024;  // sm_90 opt-in maximum per block
+  static constexpr int kQStages = 2 * kSmemQStageBytes + kSmemKVBytes + 1024 <= kSmemLimitBytes ? 2 : 1;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{},
@@ -58,8 +65,11 @@ struct FwdTraits {
   // V seen as the (d_v, block_n) B operand of O += P V: the same bytes, MN-major.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O staging for 16-byte global stores.
+  // O staging for 16-byte global stores, over the tile's own Q stage: each consumer warpgroup reads
+  // only its own 64 rows of Q and writes only its own rows of O, and the two layouts place a row at
+  // the same bytes, so they never overlap in time.
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  static_assert(cosize_v<SmemLayoutO> * int(sizeof(Element)) <= kSmemQStageBytes);
 
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
   static constexpr int kGmemElemsPerVec = 16 / sizeof(Element);
@@ -71,22 +81,20 @@ struct FwdTraits {
 
   using MainloopPipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename MainloopPipeline::PipelineState;
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
 
   struct SharedStorage {
-    // O is staged over Q: each consumer warpgroup reads only its own 64 rows of Q and writes only its
-    // own rows of O, and the two layouts place a row at the same bytes, so they never overlap in time.
-    union {
-      alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
-      alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutO>> smem_o;
-    };
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;  // O staged over each stage
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
-    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
     TileCoord next_tile;  // the scheduler's hand-off slot (hopper/tile_scheduler.h)
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= kSmemLimitBytes);
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);

@@ -8,7 +8,6 @@ enum class FwdNamedBarrier : int {
   kEpilogue = 0,   // all consumer threads: O staged in shared memory before the global stores
   kWarpGroup1 = 1, // ping-pong turn of consumer warpgroup 1 (arrive: WG2, sync: WG1)
   kWarpGroup2 = 2, // ping-pong turn of consumer warpgroup 2
-  kQueryEmpty = 3, // consumers (arrive) -> producer warp (sync): the Q/O region may be reloaded
   kTileEmpty = 4,  // consumers (arrive) -> producer warp (sync): the next-tile slot was read
   kTileFull = 5,   // producer warp (arrive) -> consumers (sync): the next-tile slot was written
 };
