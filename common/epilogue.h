@@ -1,5 +1,5 @@
 // Epilogue pieces shared by the forward kernels: the LSE of a tile's rows and the predicated global
-// store of an O tile that was staged in shared memory and read back into registers.
+// stores of an O tile staged in shared memory (read back into registers, or vector by vector).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -68,6 +68,27 @@ CUTE_DEVICE void store_o_tile_from_smem(TiledCopy const& copy_o, TensorS const& 
     for (int k = 0; k < cute::size<1>(tR); ++k) {
       if (cute::get<1>(tOcO(0, m, k)) < head_dim_v) { cute::copy(copy_o, tR(cute::_, k), tOgO(cute::_, m, k)); }
     }
+  }
+}
+
+// Rows [row0, row0 + rows) of an O tile staged in shared memory (smem_o, laid out by SmemLayout:
+// (rows, d_v), any swizzle) to global memory (o_ptr: row 0 of the batch element and head) in 16-byte
+// vectors by `tid` of `num_threads` threads: rows past seqlen_q (seqused_q) are written as 0, rows
+// past seqlen_q_alloc not at all. For tiles that cannot take a TMA store: a rolled loop that holds
+// almost no registers.
+template <class SmemLayout, class Element>
+CUTE_DEVICE void store_o_rows_from_smem(Element const* smem_o, Element* o_ptr, int64_t row_stride, int row0,
+                                                    int seqlen_q, int seqlen_q_alloc, int head_dim_v, int tid,
+                                                    int num_threads) {
+  constexpr int kElemsPerVec = 16 / int(sizeof(Element));
+  constexpr int kRows = decltype(cute::size<0>(SmemLayout{}))::value;
+  cute::Tensor sO = cute::make_tensor(cute::make_smem_ptr(smem_o), SmemLayout{});
+  int const rows = min(kRows, seqlen_q_alloc - row0);
+  int const vecs = head_dim_v / kElemsPerVec;  // head_dim_v % 8 == 0
+  for (int i = tid; i < rows * vecs; i += num_threads) {
+    int const r = i / vecs, c = (i - r * vecs) * kElemsPerVec;
+    uint4 const v = row0 + r < seqlen_q ? *reinterpret_cast<uint4 const*>(&sO(r, c)) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(o_ptr + (row0 + r) * row_stride + c) = v;
   }
 }
 

@@ -16,6 +16,7 @@ struct SeqInfo {
   int seqlen_q;        // rows that attend (seqused_q overrides)
   int seqlen_k;        // keys that are attended (seqused_k overrides)
 
+  SeqInfo() = default;
   CUTE_DEVICE SeqInfo(FtFwdParams const& p, int bidb) {
     if (p.cu_seqlens_q) {
       q_row0 = p.cu_seqlens_q[bidb];

@@ -41,6 +41,9 @@ struct OnlineSoftmax {
     cute::fill(row_sum, 0.f);
   }
 
+  // Starts a new tile's rows (their first block then goes through online<true>).
+  CUTE_DEVICE void reset() { cute::fill(row_max, -INFINITY); }
+
   // Turns scores S (rows x cols) into unnormalized probabilities in place, updating the running max
   // and (per-thread partial) sums. The factor by which O must be rescaled is kept in `correction`
   // so the caller can apply it once the GEMM still writing O has completed (rescale_o).

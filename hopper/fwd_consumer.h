@@ -1,11 +1,12 @@
-// Consumer-warpgroup mainloop of the Hopper forward kernel: walks the KV blocks of one query tile,
-// last block first, and accumulates O in registers.
+// Consumer-warpgroup mainloop pieces of the Hopper forward kernel: they walk the KV blocks of one query
+// tile, last block first, and accumulate O in registers; the tile loop lives in hopper/fwd_kernel.h.
 //
 // Two schedules (FwdTraits::kIntraWGOverlap):
 //   serial:  S_j = Q K_j^T; wait; softmax(S_j); O += P_j V_j; wait.
 //   overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back, so the tensor cores run
 //            the PV GEMM while the warpgroup waits for S_j; the softmax of S_j then overlaps nothing
-//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs.
+//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs. A tile's last PV GEMM
+//            goes out with the next tile's first S GEMM (FwdTraits::kOverlapEpilogue).
 // Ping-pong (FwdTraits::kPingPong, two consumer warpgroups): before issuing its GEMMs a warpgroup
 // waits on its own named barrier, and after issuing them it arrives on the other's, so the GEMMs of
 // one warpgroup run while the other computes its softmax. Warpgroup 1 is released first by an
@@ -62,96 +63,96 @@ CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask con
   }
 }
 
+// Serial schedule over one tile: S_j = Q K_j^T; wait; softmax(S_j); O += P_j V_j; wait. Ping-pong turns
+// start and end inside the tile.
 template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
           class TensorK, class TensorV, class TensorO, class TensorC, class Softmax>
-CUTE_DEVICE void consumer_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
-                                   TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV, TensorO& tOrO,
-                                   TensorC const& tScS, BandMask const& mask, Softmax& softmax,
-                                   float softcap_scale, int m_block, int n_block_min, int n_block_max,
-                                   int warp_group) {
+CUTE_DEVICE void serial_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
+                                 TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV, TensorO& tOrO,
+                                 TensorC const& tScS, BandMask const& mask, Softmax& softmax, float softcap_scale,
+                                 int m_block, int n_block_min, int n_block_max, PingPong<Traits> const& turn) {
   using Element = typename Traits::Element;
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
-  PingPong<Traits> const turn{warp_group};
-  auto new_scores = [&] { return partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{})); };
   Tensor out = rowcol(tOrO);
   turn.start();
-
-  if constexpr (!Traits::kIntraWGOverlap) {
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-      Tensor tSrS = new_scores();
-      bool const first = n_block == n_block_max - 1;
-      turn.wait_turn();
-      pipeline_k.consumer_wait(read_state);
-      wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-      turn.pass_turn(n_block == n_block_min);
-      warpgroup_wait<0>();
-      pipeline_k.consumer_release(read_state);
-      prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
-      Tensor scores = rowcol(tSrS);
-      if (first) {
-        softmax.template online<true>(scores);
-      } else {
-        softmax.template online<false>(scores);
-        softmax.rescale_o(out);
-      }
-      Tensor tOrP = convert_fragment<Element>(tSrS);
-      pipeline_v.consumer_wait(read_state);
-      wg_gemm<false, 0>(tiled_mma_pv, make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout())),
-                        tOrV(_, _, _, read_state.index()), tOrO);
-      pipeline_v.consumer_release(read_state);
-      ++read_state;
-    }
-    return;
-  } else {
-    // First block: S only.
-    int n_block = n_block_max - 1;
-    Tensor tSrS = new_scores();
+  for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
+    bool const first = n_block == n_block_max - 1;
     turn.wait_turn();
     pipeline_k.consumer_wait(read_state);
     wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-    turn.pass_turn(false);
+    turn.pass_turn(n_block == n_block_min);
     warpgroup_wait<0>();
     pipeline_k.consumer_release(read_state);
     prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
     Tensor scores = rowcol(tSrS);
-    softmax.template online<true>(scores);
-    Tensor tOrP = convert_fragment<Element>(tSrS);
-    Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-    PipelineState v_state = read_state;
-    ++read_state;
-
-    // Steady state: S_j and the previous block's PV in flight together.
-    for (--n_block; n_block >= n_block_min; --n_block) {
-      Tensor tSrS = new_scores();
-      turn.wait_turn();
-      pipeline_k.consumer_wait(read_state);
-      wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-      pipeline_v.consumer_wait(v_state);
-      wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-      turn.pass_turn(false);
-      warpgroup_wait<1>();  // S_j done; PV may still run
-      pipeline_k.consumer_release(read_state);
-      prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
-      Tensor scores = rowcol(tSrS);
+    if (first) {
+      softmax.template online<true>(scores);
+    } else {
       softmax.template online<false>(scores);
-      warpgroup_wait<0>();  // PV done: O and P may be overwritten
-      pipeline_v.consumer_release(v_state);
       softmax.rescale_o(out);
-      Tensor tOrPn = convert_fragment<Element>(tSrS);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tOrP); ++i) { tOrP(i) = tOrPn(i); }
-      v_state = read_state;
-      ++read_state;
     }
+    Tensor tOrP = convert_fragment<Element>(tSrS);
+    pipeline_v.consumer_wait(read_state);
+    wg_gemm<false, 0>(tiled_mma_pv, make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout())),
+                      tOrV(_, _, _, read_state.index()), tOrO);
+    pipeline_v.consumer_release(read_state);
+    ++read_state;
+  }
+}
 
-    // Last PV.
+// Overlap schedule, the softmax of a tile's first block (its last KV block) once its S has landed:
+// starts the row statistics afresh and leaves P in tOrP for the first PV GEMM.
+template <class Traits, bool kIsBand, bool kHasSoftcap, class TensorS, class TensorP, class TensorC, class Softmax>
+CUTE_DEVICE void first_block_softmax(TensorS& tSrS, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,
+                                     Softmax& softmax, float softcap_scale, int m_block, int n_block) {
+  prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
+  Tensor scores = rowcol(tSrS);
+  softmax.reset();
+  softmax.template online<true>(scores);
+  Tensor tOrPn = convert_fragment<typename Traits::Element>(tSrS);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tOrP); ++i) { tOrP(i) = tOrPn(i); }
+}
+
+// Overlap schedule, the steady state of one tile: blocks n_block_max - 2 down to n_block_min, each
+// turn issuing S_j = Q K_j^T and O += P_{j+1} V_{j+1} back to back, so the tensor cores run the PV
+// GEMM while the warpgroup waits for S_j. On entry tOrP / v_state hold the first block's P and V
+// stage, on return the last block's; its PV GEMM is left to the caller (the tile's tail turn).
+template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
+          class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax>
+CUTE_DEVICE void overlap_body(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
+                              PipelineState& v_state, TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV,
+                              TensorO& tOrO, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,
+                              Softmax& softmax, float softcap_scale, int m_block, int n_block_min, int n_block_max,
+                              PingPong<Traits> const& turn) {
+  using Element = typename Traits::Element;
+  typename Traits::TiledMmaQK tiled_mma_qk;
+  typename Traits::TiledMmaPV tiled_mma_pv;
+  Tensor out = rowcol(tOrO);
+  Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
+  for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
     turn.wait_turn();
+    pipeline_k.consumer_wait(read_state);
+    wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
     pipeline_v.consumer_wait(v_state);
     wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-    turn.pass_turn(true);
-    warpgroup_wait<0>();
+    turn.pass_turn(false);
+    warpgroup_wait<1>();  // S_j done; PV may still run
+    pipeline_k.consumer_release(read_state);
+    prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
+    Tensor scores = rowcol(tSrS);
+    softmax.template online<false>(scores);
+    warpgroup_wait<0>();  // PV done: O and P may be overwritten
     pipeline_v.consumer_release(v_state);
+    softmax.rescale_o(out);
+    Tensor tOrPn = convert_fragment<Element>(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOrP); ++i) { tOrP(i) = tOrPn(i); }
+    v_state = read_state;
+    ++read_state;
   }
 }
 

@@ -12,10 +12,14 @@
 // Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
-// read back).
-// Epilogue: consumers stage O in shared memory over the tile's Q stage, meet at the kEpilogue named
-// barrier, read O back (all of it into registers for d_v <= 128, else row group by row group), release
-// the Q stage and write O with 16-byte predicated stores; the LSE goes out directly.
+// read out of it).
+// Tile loop of the overlap schedule: a tile's last PV GEMM and the next tile's first S GEMM go out in
+// one turn (kOverlapEpilogue: the next Q has a stage of its own), so the epilogue runs while the tensor
+// cores work, and the ping-pong turns run on across tiles.
+// Epilogue, per consumer warpgroup (no meeting with the other): O is staged in shared memory over the
+// tile's Q stage; rows that are all in bounds leave by TMA store (one elected thread, which releases
+// the Q stage once the store has read it), others by 16-byte predicated stores. The LSE goes out
+// directly.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -51,6 +55,8 @@ struct FwdKernelParams {
                                       select<1, 2>(typename Traits::TileShapeQK{}), _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutV{}),
                                       select<2, 1>(typename Traits::TileShapePV{}), _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor<Element>{}, typename Traits::SmemLayoutOWG{},
+                                      typename Traits::TileShapeOWG{}, _1{}));
   FwdParams fwd;
   int num_m_blocks;
   int heads_per_section;
@@ -58,6 +64,8 @@ struct FwdKernelParams {
   TmaQ tma_q;
   TmaK tma_k;
   TmaV tma_v;
+  ShapeQKV shape_o;
+  TmaO tma_o;
 };
 
 // Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf).
@@ -87,7 +95,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDimV = Traits::kHeadDimV;
-  constexpr int kHandoffThreads = Traits::kNMmaThreads + 32;  // consumers + the producer warp
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
@@ -98,8 +105,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
-  TileHandoff<kHandoffThreads, int(FwdNamedBarrier::kTileEmpty), int(FwdNamedBarrier::kTileFull)> const
-      handoff{&ss.next_tile};
 
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -125,6 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Traits::kTmaBytesV;
   MainloopPipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  TileHandoff const handoff{ss.handoff};
+  if (threadIdx.x == 0) { handoff.init(Traits::kNMmaThreads); }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -177,6 +184,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         ++write_state;
       }
     };
+    auto handoff_state = TileHandoff::producer_start_state();
     int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
     int const num_tiles = sched.num_tiles();
     for (int idx = blockIdx.x; idx < num_tiles;) {
@@ -186,14 +194,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx));
       if (w.active) { produce_tile(w); }
       idx = __shfl_sync(0xffffffff, next, leader_lane);
-      handoff.producer_publish(idx < num_tiles ? sched.tile(idx) : handoff.kDone, lane_predicate);
+      handoff.producer_publish(handoff_state, idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone, lane_predicate);
     }
     return;
   }
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  constexpr int kQStageElems = int(cosize_v<typename Traits::SmemLayoutQ>) / Traits::kQStages;
   int const thread_idx = int(threadIdx.x) - 128;
+  int const wg = warp_group_idx - 1;  // this consumer warpgroup, 0-based
+  int const wg_thread = thread_idx % 128;
+  bool const store_leader = wg_thread == 0;  // issues the warpgroup's TMA stores
   typename Traits::TiledMmaQK tiled_mma_qk;  // partitioning only; the mainloop owns the MMA state
   typename Traits::TiledMmaPV tiled_mma_pv;
   auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
@@ -204,65 +216,208 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
   Tensor tOcO = rowcol(thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
   constexpr int kRowsPerThread = decltype(size<0>(tOcO))::value;
-  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
-  auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
-  typename Traits::GmemTiledCopyO gmem_copy_o;
-  auto gmem_thr_o = gmem_copy_o.get_thread_slice(thread_idx);
-  Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
 
   PipelineState read_state;
   typename Traits::PipelineStateQ q_read_state;
-  handoff.consumer_start();
-  // `continue` also goes through the hand-off (the loop's increment).
-  for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive()) {
-    TileWork const w = make_tile_work<Traits, kIsBand>(params, coord);
-    int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
-    if (!w.in_range) { continue; }
-    if (!w.active) {
-      write_empty_tile<Element, kBlockM>(params, w.seq, m_block, bidh, bidb, thread_idx, Traits::kNMmaThreads);
-      continue;
+  TileHandoff::State handoff_state;
+  PingPong<Traits> const turn{warp_group_idx};
+
+  // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.
+  auto next_work = [&](TileCoord coord, TileWork& w) {
+    for (; coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
+      w = make_tile_work<Traits, kIsBand>(params, coord);
+      if (!w.in_range) { continue; }
+      if (w.active) { return true; }
+      write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
+                                         Traits::kNMmaThreads);
     }
+    return false;
+  };
+
+  // A TMA store in flight (store_leader only) still reads its Q stage, which is released once it has.
+  int store_q_stage = -1;
+  auto finish_store = [&] {
+    if (store_q_stage >= 0) {
+      tma_store_wait<0>();
+      pipeline_q.consumer_release(typename Traits::PipelineStateQ(store_q_stage, 0, 0));
+      store_q_stage = -1;
+    }
+  };
+
+  // -------------------------------------------------------------- epilogue
+  // Overlap schedule: each warpgroup stores its own rows without meeting the other one.
+  auto epilogue = [&](TileWork const& w, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
     SeqInfo const& seq = w.seq;
-    Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
-    clear(tOrO);
-    BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
-    OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
-
-    int const q_stage = q_read_state.index();
-    pipeline_q.consumer_wait(q_read_state);
-    consumer_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ(_, _, _, q_stage), tSrK,
-                                                    tOrV, tOrO, tScS,
-                                                    mask, softmax, params.softcap_scale, m_block, w.n_block_min,
-                                                    w.n_block_max, warp_group_idx);
-
-    // -------------------------------------------------------------- epilogue
+    int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
     Tensor out = rowcol(tOrO);
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
     Tensor rO = convert_fragment<Element>(tOrO);
-    Tensor sO = make_tensor(make_smem_ptr(ss.smem_q.data() + q_stage * cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages),
-                            typename Traits::SmemLayoutO{});
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
-
+    Element* const stage = ss.smem_q.data() + q_state.index() * kQStageElems;
+    auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
+    auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
+    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutO{})));
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
-    cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
 
-    Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
-                            make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
-    Tensor tOgO = gmem_thr_o.partition_D(local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
-    Tensor tOsO = gmem_thr_o.partition_S(sO);
-    if constexpr (kHeadDimV <= 128) {
-      // The whole tile into registers first, so the Q/O stage is free during the global stores.
-      Tensor tOrOg = make_tensor<Element>(shape(tOgO));
-      copy(gmem_copy_o, tOsO, tOrOg);
-      pipeline_q.consumer_release(q_read_state);
-      store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
-    } else {
-      store_o_tile_from_smem(gmem_copy_o, tOsO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
-      pipeline_q.consumer_release(q_read_state);
+    int const row0 = m_block * kBlockM + wg * 64;
+    int const wg_offset = typename Traits::SmemLayoutO{}(wg * 64, 0);  // this warpgroup's first row
+    int const barrier = int(FwdNamedBarrier::kEpilogue1) + wg;
+    if (row0 + 64 <= seq.seqlen_q) {
+      cutlass::arch::fence_view_async_shared();  // the stores above, before the TMA unit reads them
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      if (store_leader) {
+        Tensor sOw = make_tensor(make_smem_ptr(stage + wg_offset), typename Traits::SmemLayoutOWG{});
+        Tensor mO = kp.tma_o.get_tma_tensor(kp.shape_o);
+        Tensor gO = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mO(_, _, bidh, p.cu_seqlens_q ? 0 : bidb)),
+                               typename Traits::TileShapeOWG{}, make_coord(m_block * Traits::kNMmaWarpGroups + wg, _0{}));
+        auto [tOgO, tOsO] = tma_partition(kp.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sOw), group_modes<0, 2>(gO));
+        copy(kp.tma_o, tOsO, tOgO);
+        tma_store_arrive();
+        store_q_stage = q_state.index();
+      } else {
+        pipeline_q.consumer_release(q_state);
+      }
+      return;
     }
-    ++q_read_state;
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    store_o_rows_from_smem<typename Traits::SmemLayoutOWG>(
+        stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride, p.o_row_stride,
+        row0, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
+    pipeline_q.consumer_release(q_state);
+  };
+
+  auto make_mask = [&](TileWork const& w) {
+    return BandMask{w.seq.seqlen_q, w.seq.seqlen_k, p.window_left, p.window_right};
+  };
+  if constexpr (!Traits::kIntraWGOverlap) {
+    // Serial schedule (d > 128, every consumer register taken): both warpgroups meet, read O back and
+    // store it with predicated 16-byte stores. This form (partitions set up once, no TMA branch) is
+    // the one ptxas allocates without spills at d = 256.
+    auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
+    auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
+    typename Traits::GmemTiledCopyO gmem_copy_o;
+    auto gmem_thr_o = gmem_copy_o.get_thread_slice(thread_idx);
+    Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+    // `continue` also goes through the hand-off (the loop's increment).
+    for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord);
+      if (!w.in_range) { continue; }
+      if (!w.active) {
+        write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
+                                           Traits::kNMmaThreads);
+        continue;
+      }
+      Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+      clear(tOrO);
+      OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+      pipeline_q.consumer_wait(q_read_state);
+      serial_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ(_, _, _, q_read_state.index()),
+                                                    tSrK, tOrV, tOrO, tScS, make_mask(w), softmax, params.softcap_scale,
+                                                    w.coord.m_block, w.n_block_min, w.n_block_max, turn);
+      SeqInfo const& seq = w.seq;
+      int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
+      Tensor out = rowcol(tOrO);
+      Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
+      softmax.finalize(out, lse, params.scale_ln);
+      Tensor rO = convert_fragment<Element>(tOrO);
+      Tensor sO = make_tensor(make_smem_ptr(ss.smem_q.data() + q_read_state.index() * kQStageElems), typename Traits::SmemLayoutO{});
+      copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+      write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
+      cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
+      Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
+                              make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
+      Tensor tOgO = gmem_thr_o.partition_D(local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0)));
+      Tensor tOsO = gmem_thr_o.partition_S(sO);
+      if constexpr (kHeadDimV <= 128) {
+        // The whole tile into registers first, so the Q/O stage is free during the global stores.
+        Tensor tOrOg = make_tensor<Element>(shape(tOgO));
+        copy(gmem_copy_o, tOsO, tOrOg);
+        pipeline_q.consumer_release(q_read_state);
+        store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
+      } else {
+        store_o_tile_from_smem(gmem_copy_o, tOsO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
+        pipeline_q.consumer_release(q_read_state);
+      }
+      ++q_read_state;
+    }
+  } else {
+    TileWork w;
+    bool const more = next_work(sched.tile(blockIdx.x), w);
+    Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
+    OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+    auto new_scores = [&] { return partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{})); };
+    Tensor tOrP = make_tensor<Element>(new_scores().layout());
+    Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
+    PipelineState v_state;
+    // Head of the first tile: its first S GEMM in a turn of its own.
+    if (more) {
+      turn.start();
+      Tensor tSrS = new_scores();
+      turn.wait_turn();
+      pipeline_q.consumer_wait(q_read_state);
+      pipeline_k.consumer_wait(read_state);
+      wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
+      turn.pass_turn(false);
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(read_state);
+      first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(w), softmax, params.softcap_scale,
+                                                        w.coord.m_block, w.n_block_max - 1);
+      clear(tOrO);
+      v_state = read_state;
+      ++read_state;
+      while (true) {  // left by the break after the last tile
+        overlap_body<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, v_state,
+                                                   tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
+                                                   make_mask(w), softmax, params.softcap_scale, w.coord.m_block,
+                                                   w.n_block_min, w.n_block_max, turn);
+        TileWork nw;
+        bool const next = next_work(handoff.consumer_receive(handoff_state), nw);
+        auto q_next_state = q_read_state;
+        ++q_next_state;
+        Tensor tSrS = new_scores();
+        // Tail turn: the tile's last PV GEMM. Both branches leave exactly the next tile's first S GEMM
+        // in flight (separate branches keep ptxas's WGMMA pipeline analysis exact).
+        if (Traits::kOverlapEpilogue && next) {
+          turn.wait_turn();
+          pipeline_v.consumer_wait(v_state);
+          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+          pipeline_q.consumer_wait(q_next_state);
+          pipeline_k.consumer_wait(read_state);
+          wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_next_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
+          turn.pass_turn(false);
+          warpgroup_wait<1>();  // the PV GEMM; the S GEMM runs under the epilogue
+          pipeline_v.consumer_release(v_state);
+          epilogue(w, softmax, tOrO, q_read_state);
+        } else {
+          turn.wait_turn();
+          pipeline_v.consumer_wait(v_state);
+          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+          turn.pass_turn(!next);
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(v_state);
+          epilogue(w, softmax, tOrO, q_read_state);
+          finish_store();  // without kOverlapEpilogue the next Q goes to this stage
+          if (!next) { break; }
+          turn.wait_turn();
+          pipeline_q.consumer_wait(q_next_state);
+          pipeline_k.consumer_wait(read_state);
+          wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_next_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
+          turn.pass_turn(false);
+        }
+        q_read_state = q_next_state;
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(read_state);
+        w = nw;
+        first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(w), softmax, params.softcap_scale,
+                                                          w.coord.m_block, w.n_block_max - 1);
+        clear(tOrO);
+        finish_store();  // by now the store has long read its stage
+        v_state = read_state;
+        ++read_state;
+      }
+    }
   }
+  finish_store();
 }
 
 }  // namespace flashtile::hopper

@@ -1,4 +1,4 @@
-// Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V (rows, d, heads, batch),
+// Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V/O (rows, d, heads, batch),
 // dynamic shared memory opt-in, the scheduler's section size and counter reset, and the persistent
 // grid (one CTA per SM at most). Host only; instantiated once per manifest entry.
 #pragma once
@@ -38,6 +38,12 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
                            take<0, 2>(typename Traits::SmemLayoutK{}), select<1, 2>(typename Traits::TileShapeQK{}), _1{});
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                            take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}), _1{});
+  // O: one consumer warpgroup's 64 rows per TMA store (only for rows all in bounds; TMA clips the
+  // columns of a padded head-dim bucket).
+  kp.shape_o = ShapeQKV{p.rows_q, p.head_dim_v, p.num_heads, batch_q};
+  kp.tma_o = make_tma_copy(SM90_TMA_STORE{},
+                           make_gmem_tensor(static_cast<Element*>(p.out), kp.shape_o, p.o_row_stride, p.o_head_stride, p.o_batch_stride),
+                           typename Traits::SmemLayoutOWG{}, typename Traits::TileShapeOWG{}, _1{});
 
   kp.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   DeviceAttrs attrs;

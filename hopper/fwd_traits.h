@@ -65,13 +65,21 @@ struct FwdTraits {
   // V seen as the (d_v, block_n) B operand of O += P V: the same bytes, MN-major.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O staging for 16-byte global stores, over the tile's own Q stage: each consumer warpgroup reads
-  // only its own 64 rows of Q and writes only its own rows of O, and the two layouts place a row at
-  // the same bytes, so they never overlap in time.
+  // O staging, over the tile's own Q stage: each consumer warpgroup reads only its own 64 rows of Q
+  // and writes only its own rows of O, and the two layouts place a row at the same bytes, so they
+  // never overlap in time. A warpgroup's rows (SmemLayoutOWG, at row 64 * wg) leave through a TMA
+  // store when they are all in bounds, else through 16-byte stores of its 128 threads.
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   static_assert(cosize_v<SmemLayoutO> * int(sizeof(Element)) <= kSmemQStageBytes);
+  using SmemLayoutOWG = decltype(composition(SmemLayoutO{}, make_layout(Shape<_64, Int<kHeadDimV>>{}, Stride<_1, Int<kBlockM>>{})));
+  using TileShapeOWG = Shape<_64, Int<kHeadDimV>>;
+
+  // Ends the mainloop of a tile together with the next tile's first S GEMM (hopper/fwd_kernel.h), so
+  // the epilogue runs while the tensor cores work; needs the next tile's Q in a stage of its own.
+  static constexpr bool kOverlapEpilogue = kIntraWGOverlap && kQStages == 2;
 
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  // The serial schedule's epilogue: both warpgroups' rows through registers, 16-byte stores.
   static constexpr int kGmemElemsPerVec = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = (kHeadDimV % 64 == 0 ? 64 : 32) / kGmemElemsPerVec;
   using GmemTiledCopyO = decltype(make_tiled_copy(
@@ -88,7 +96,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;  // O staged over each stage
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
-    TileCoord next_tile;  // the scheduler's hand-off slot (hopper/tile_scheduler.h)
+    alignas(16) TileHandoff::SharedStorage handoff;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;

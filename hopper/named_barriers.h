@@ -5,11 +5,11 @@
 namespace flashtile::hopper {
 
 enum class FwdNamedBarrier : int {
-  kEpilogue = 0,   // all consumer threads: O staged in shared memory before the global stores
+  kEpilogue = 0,   // all consumer threads (serial schedule): O staged in shared memory
   kWarpGroup1 = 1, // ping-pong turn of consumer warpgroup 1 (arrive: WG2, sync: WG1)
   kWarpGroup2 = 2, // ping-pong turn of consumer warpgroup 2
-  kTileEmpty = 4,  // consumers (arrive) -> producer warp (sync): the next-tile slot was read
-  kTileFull = 5,   // producer warp (arrive) -> consumers (sync): the next-tile slot was written
+  kEpilogue1 = 3,  // consumer warpgroup 1's threads (overlap schedule): its O rows are staged
+  kEpilogue2 = 4,  // the same for consumer warpgroup 2
 };
 
 // Backward kernel (ids reused: a kernel uses one of the two sets).

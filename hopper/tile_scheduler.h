@@ -17,6 +17,7 @@
 
 #include <cute/config.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>  // cutlass::PipelineState
 
 namespace flashtile::hopper {
 
@@ -53,30 +54,49 @@ struct TileScheduler {
   CUTE_DEVICE int fetch_next() const { return int(gridDim.x) + atomicAdd(tile_counter, 1); }
 };
 
-// Hands the next tile's coordinates from the producer warp to the consumer warpgroups through shared
-// memory (so the consumers run none of the scheduler's index math), guarded by two named barriers
-// (kThreads = consumers + the producer warp):
-//   producer: sync(empty) -> write -> arrive(full)     consumers: sync(full) -> read -> arrive(empty)
-// m_block < 0 ends the walk. The consumers arrive on `empty` once before their first tile, and skip
-// their arrival after reading the end marker, so every barrier phase that is started completes.
-template <int kThreads, int kEmptyId, int kFullId>
+// Hands tile coordinates from the producer warp to the consumer warpgroups through a two-slot
+// mbarrier pipeline in shared memory (so the consumers run none of the scheduler's index math). Each
+// consumer warpgroup takes the next tile when it reaches it, without meeting the other one: under
+// ping-pong the two run half a turn apart, and a tile boundary must not re-align them.
+//   producer (one elected lane): acquire slot -> write -> commit   consumers: wait -> read -> release
+// m_block < 0 ends the walk.
 struct TileHandoff {
-  TileCoord* slot;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using State = cutlass::PipelineState<2>;
+  struct SharedStorage {
+    typename Barrier::ValueType full[2], empty[2];
+    TileCoord slot[2];
+  };
 
   static constexpr TileCoord kDone{-1, 0, 0};
 
-  CUTE_DEVICE void consumer_start() const { cutlass::arch::NamedBarrier::arrive(kThreads, kEmptyId); }
+  SharedStorage& storage;
 
-  CUTE_DEVICE void producer_publish(TileCoord next, bool lane_leader) const {
-    cutlass::arch::NamedBarrier::sync(kThreads, kEmptyId);
-    if (lane_leader) { *slot = next; }
-    cutlass::arch::NamedBarrier::arrive(kThreads, kFullId);
+  // One thread, before the CTA-wide barrier that follows the pipelines' initialization.
+  CUTE_DEVICE void init(int num_consumer_threads) const {
+    for (int i = 0; i < 2; ++i) {
+      Barrier::init(&storage.full[i], 1);
+      Barrier::init(&storage.empty[i], num_consumer_threads);
+    }
   }
 
-  CUTE_DEVICE TileCoord consumer_receive() const {
-    cutlass::arch::NamedBarrier::sync(kThreads, kFullId);
-    TileCoord const next = *slot;
-    if (next.m_block >= 0) { cutlass::arch::NamedBarrier::arrive(kThreads, kEmptyId); }
+  // Both slots start empty (a producer's first wait on each passes at once).
+  CUTE_DEVICE static State producer_start_state() { return {0, 1, 0}; }
+
+  CUTE_DEVICE void producer_publish(State& state, TileCoord next, bool lane_leader) const {
+    Barrier::wait(&storage.empty[state.index()], state.phase());
+    if (lane_leader) {
+      storage.slot[state.index()] = next;
+      Barrier::arrive(&storage.full[state.index()]);  // release semantics cover the slot write
+    }
+    ++state;
+  }
+
+  CUTE_DEVICE TileCoord consumer_receive(State& state) const {
+    Barrier::wait(&storage.full[state.index()], state.phase());
+    TileCoord const next = storage.slot[state.index()];
+    Barrier::arrive(&storage.empty[state.index()]);
+    ++state;
     return next;
   }
 };
