@@ -63,9 +63,11 @@ struct HopperFwdTile {
 
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
+  // d <= 64: four K/V stages (160 KB with two Q stages) give the short blocks more loads in flight.
   // d > 128: the overlapped schedule keeps a second P fragment live and spills (320 B at d = 256);
   // the serial schedule with ping-pong compiles spill-free.
-  HopperFwdTile t = d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true}
+  HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true}
+                  : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true}
                   : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, false, true}
                              : HopperFwdTile{128, 64, 2, 24, 240, false, true};
   if (FLASHTILE_HOPPER_SCHEDULE >= 0) {

@@ -5,12 +5,13 @@
 //   serial:  S_j = Q K_j^T; wait; softmax(S_j); O += P_j V_j; wait.
 //   overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back, so the tensor cores run
 //            the PV GEMM while the warpgroup waits for S_j; the softmax of S_j then overlaps nothing
-//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs. A tile's last PV GEMM
-//            goes out with the next tile's first S GEMM (FwdTraits::kOverlapEpilogue).
+//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs.
 // Ping-pong (FwdTraits::kPingPong, two consumer warpgroups): before issuing its GEMMs a warpgroup
 // waits on its own named barrier, and after issuing them it arrives on the other's, so the GEMMs of
 // one warpgroup run while the other computes its softmax. Warpgroup 1 is released first by an
-// arrival of warpgroup 2; warpgroup 2 skips its final arrival, so every barrier phase completes.
+// arrival of warpgroup 2; warpgroup 2 skips its final arrival, so every barrier phase completes. Both
+// warpgroups take the same tiles and so the same number of turns: per tile in the serial schedule,
+// over the CTA's whole walk in the overlap schedule.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -13,13 +13,12 @@
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
 // read out of it).
-// Tile loop of the overlap schedule: a tile's last PV GEMM and the next tile's first S GEMM go out in
-// one turn (kOverlapEpilogue: the next Q has a stage of its own), so the epilogue runs while the tensor
-// cores work, and the ping-pong turns run on across tiles.
-// Epilogue, per consumer warpgroup (no meeting with the other): O is staged in shared memory over the
-// tile's Q stage; rows that are all in bounds leave by TMA store (one elected thread, which releases
-// the Q stage once the store has read it), others by 16-byte predicated stores. The LSE goes out
-// directly.
+// Overlap schedule: the ping-pong turns run on across tiles (a tile's tail turn, its last PV GEMM, is
+// followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
+// epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
+// are all in bounds leave by TMA store (one elected thread, which releases the Q stage once the store
+// has read it), others by 16-byte stores. The serial schedule (d > 128) stores O with both
+// warpgroups through registers. The LSE goes out directly.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -349,9 +348,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOrP = make_tensor<Element>(new_scores().layout());
     Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
     PipelineState v_state;
-    // Head of the first tile: its first S GEMM in a turn of its own.
-    if (more) {
-      turn.start();
+    // Head turn of a tile: its first S GEMM, then that block's softmax.
+    auto head = [&](TileWork const& t) {
       Tensor tSrS = new_scores();
       turn.wait_turn();
       pipeline_q.consumer_wait(q_read_state);
@@ -360,11 +358,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       turn.pass_turn(false);
       warpgroup_wait<0>();
       pipeline_k.consumer_release(read_state);
-      first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(w), softmax, params.softcap_scale,
-                                                        w.coord.m_block, w.n_block_max - 1);
+      first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
+                                                        t.coord.m_block, t.n_block_max - 1);
       clear(tOrO);
       v_state = read_state;
       ++read_state;
+    };
+    if (more) {
+      turn.start();  // once: the turns run on across tiles
+      head(w);
       while (true) {  // left by the break after the last tile
         overlap_body<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, v_state,
                                                    tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
@@ -372,48 +374,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                    w.n_block_min, w.n_block_max, turn);
         TileWork nw;
         bool const next = next_work(handoff.consumer_receive(handoff_state), nw);
-        auto q_next_state = q_read_state;
-        ++q_next_state;
-        Tensor tSrS = new_scores();
-        // Tail turn: the tile's last PV GEMM. Both branches leave exactly the next tile's first S GEMM
-        // in flight (separate branches keep ptxas's WGMMA pipeline analysis exact).
-        if (Traits::kOverlapEpilogue && next) {
-          turn.wait_turn();
-          pipeline_v.consumer_wait(v_state);
-          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-          pipeline_q.consumer_wait(q_next_state);
-          pipeline_k.consumer_wait(read_state);
-          wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_next_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
-          turn.pass_turn(false);
-          warpgroup_wait<1>();  // the PV GEMM; the S GEMM runs under the epilogue
-          pipeline_v.consumer_release(v_state);
-          epilogue(w, softmax, tOrO, q_read_state);
-        } else {
-          turn.wait_turn();
-          pipeline_v.consumer_wait(v_state);
-          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-          turn.pass_turn(!next);
-          warpgroup_wait<0>();
-          pipeline_v.consumer_release(v_state);
-          epilogue(w, softmax, tOrO, q_read_state);
-          finish_store();  // without kOverlapEpilogue the next Q goes to this stage
-          if (!next) { break; }
-          turn.wait_turn();
-          pipeline_q.consumer_wait(q_next_state);
-          pipeline_k.consumer_wait(read_state);
-          wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_next_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
-          turn.pass_turn(false);
-        }
-        q_read_state = q_next_state;
+        // Tail turn: the tile's last PV GEMM.
+        turn.wait_turn();
+        pipeline_v.consumer_wait(v_state);
+        wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+        turn.pass_turn(!next);
         warpgroup_wait<0>();
-        pipeline_k.consumer_release(read_state);
+        pipeline_v.consumer_release(v_state);
+        epilogue(w, softmax, tOrO, q_read_state);
+        ++q_read_state;
+        if constexpr (Traits::kQStages == 1) { finish_store(); }  // the next Q goes to this stage
+        if (!next) { break; }
         w = nw;
-        first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(w), softmax, params.softcap_scale,
-                                                          w.coord.m_block, w.n_block_max - 1);
-        clear(tOrO);
-        finish_store();  // by now the store has long read its stage
-        v_state = read_state;
-        ++read_state;
+        head(w);
+        finish_store();  // two Q stages: waited for only now, when the store has long read its stage
       }
     }
   }

@@ -74,10 +74,6 @@ struct FwdTraits {
   using SmemLayoutOWG = decltype(composition(SmemLayoutO{}, make_layout(Shape<_64, Int<kHeadDimV>>{}, Stride<_1, Int<kBlockM>>{})));
   using TileShapeOWG = Shape<_64, Int<kHeadDimV>>;
 
-  // Ends the mainloop of a tile together with the next tile's first S GEMM (hopper/fwd_kernel.h), so
-  // the epilogue runs while the tensor cores work; needs the next tile's Q in a stage of its own.
-  static constexpr bool kOverlapEpilogue = kIntraWGOverlap && kQStages == 2;
-
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
   // The serial schedule's epilogue: both warpgroups' rows through registers, 16-byte stores.
   static constexpr int kGmemElemsPerVec = 16 / sizeof(Element);
