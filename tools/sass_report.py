@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 PATTERNS = {"HGMMA": r"\bHGMMA\.", "QGMMA": r"\bQGMMA\.", "HMMA": r"\bHMMA\.", "LDSM": r"\bLDSM\b",
-            "LDGSTS": r"\bLDGSTS\b", "UTMALDG": r"\bUTMALDG\b", "USETMAXREG": r"\bUSETMAXREG\b",
+            "LDGSTS": r"\bLDGSTS\b", "UTMALDG": r"\bUTMALDG\b", "UTMASTG": r"\bUTMASTG\b", "USETMAXREG": r"\bUSETMAXREG\b",
             "LDL": r"\bLDL\b", "STL": r"\bSTL\b"}
 
 
