@@ -203,6 +203,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   Tensor tScS_rc = rowcol(tScS);
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kRowsPerBlock = decltype(size<0, 0>(tScS_rc))::value;  // rows per MMA_M row block
 
   // Prologue: K, V and the first Q/dO tile.
   if (num_steps > 0) {
@@ -236,52 +237,63 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, q_off), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-    Tensor dtanh = make_fragment_like(acc_s);
     if constexpr (kHasSoftcap) {
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        float const t = tanhf(acc_s(i) * params.fwd.softcap_scale);
-        acc_s(i) = t;
-        dtanh(i) = 1.f - t * t;
-      }
+      for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
     }
     if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
+      apply_mask<kIsBand>(acc_s, tScS, mask, m_block * kBlockM, n_block * kBlockN);
     }
     Tensor scores = rowcol(acc_s);
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(scores); ++ni) {
-        scores(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
-      }
-    }
-    Tensor rP = convert_fragment<Element>(acc_s);
-    copy(copy_pds, thr_pds.retile_S(rP), tPsP);
-    // D of the same rows, loaded here so the load overlaps the dP GEMM and its registers live shortly.
-    float dsum[kRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
-      dsum[mi] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
-    }
 
+    // P, dP and dS one row block (MMA_M index) at a time, so that only that block's P and dP
+    // accumulators are live during its dP GEMM (V is read once per block). Under softcap the block's
+    // tanh values stay live instead of a second fragment for the tanh derivative.
+    Tensor acc_p = make_fragment_like(acc_s);
+    Tensor probs = rowcol(acc_p);
+    Tensor rP = make_tensor<Element>(acc_p.layout());
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
     Tensor dp = rowcol(acc_dp);
-    Tensor dtanh_rc = rowcol(dtanh);
+    Tensor rdS = make_tensor<Element>(acc_dp.layout());
     CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
+    for (int m = 0; m < size<1>(acc_dp); ++m) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(dp); ++ni) {
-        float ds = scores(mi, ni) * (dp(mi, ni) - dsum[mi]);
-        if constexpr (kHasSoftcap) { ds *= dtanh_rc(mi, ni); }
-        dp(mi, ni) = ds;
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        int const mi = r + m * kRowsPerBlock;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(probs); ++ni) {
+          probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
+        }
       }
+      convert_rows(acc_p, rP, m);
+      copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
+      // D of the block's rows, loaded here so the load overlaps its dP GEMM and its registers live shortly.
+      float dsum[kRowsPerBlock];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        int const row = m_block * kBlockM + get<0>(tScS_rc(r + m * kRowsPerBlock, 0));
+        dsum[r] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
+      }
+      clear(acc_dp(_, m, _));
+      gemm_ss_rows(acc_dp, m, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a,
+                   thr_sdp_b);
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerBlock; ++r) {
+        int const mi = r + m * kRowsPerBlock;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(dp); ++ni) {
+          float ds = probs(mi, ni) * (dp(mi, ni) - dsum[r]);
+          if constexpr (kHasSoftcap) {
+            // d tanh = 1 - t^2; a masked entry (t = -inf) has P = 0 and keeps its +-0 dS.
+            float const t = scores(mi, ni);
+            ds *= t == -INFINITY ? 1.f : 1.f - t * t;
+          }
+          dp(mi, ni) = ds;
+        }
+      }
+      convert_rows(acc_dp, rdS, m);
+      copy(copy_pds, thr_pds.retile_S(rdS)(_, m, _), tdSsdS(_, m, _));
     }
-    Tensor rdS = convert_fragment<Element>(acc_dp);
-    copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
     __syncthreads();  // P and dS visible
 
     gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);

@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
       for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.softcap_scale); }
     }
     if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
+      apply_mask<kIsBand>(acc_s, tScS, mask, m_block * kBlockM, n_block * kBlockN);
     }
     Tensor scores = rowcol(acc_s);
     Tensor out = rowcol(acc_o);
@@ -148,6 +148,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
       softmax.rescale_o(out);
     }
     first = false;
+    // P to the input type right away: the 16-bit fragment, not the fp32 one, stays live across the
+    // wait and the next K load.
+    Tensor tOrP = convert_fragment<Element>(acc_s);
 
     cp_async_wait<0>();
     __syncthreads();  // V[n] visible; every thread is done with K[n]
@@ -155,9 +158,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
       copy_tile(gmem_copy_qk, tKgK(_, _, _, n_block - 1), tKsK, tKcK, tQKp, seq.seqlen_k - (n_block - 1) * kBlockN);
       cp_async_fence();
     }
-    Tensor tOrP = convert_fragment<Element>(acc_s);
     Tensor tOrP_a = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-    gemm_rs(acc_o, tOrP_a, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    gemm_rs<2>(acc_o, tOrP_a, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   }
 
   // Epilogue: normalize, LSE, O through shared memory (Q's region: no thread reads sQ any more).

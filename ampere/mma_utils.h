@@ -1,9 +1,17 @@
 // mma.sync helpers for the Ampere path: warp-level GEMMs that stream operands from shared memory
-// through ldmatrix one k-slice ahead of the MMAs, and the register-layout views that let the softmax
-// address accumulators by (row, col) and feed P back as the A operand without shared memory.
+// through ldmatrix one k-slice ahead of the MMAs (whole tile, one row block, or column chunks, to
+// bound the registers live in the main loops), the register-layout views that let the softmax
+// address accumulators by (row, col) and feed P back as the A operand without shared memory, and
+// predicated copies and masking that keep per-thread coordinates to one base register.
 #pragma once
 
+#include <climits>
+
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "common/mask.h"
 
 namespace flashtile::ampere {
 
@@ -29,17 +37,57 @@ CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorS
   }
 }
 
-// acc = A * B with A already in registers (O += P V) and B read from shared memory.
-template <class TensorAcc, class TensorRA, class TensorRB, class TensorSB, class TiledMma, class CopyB,
-          class ThrCopyB>
-CUTE_DEVICE void gemm_rs(TensorAcc& acc, TensorRA const& tCrA, TensorRB& tCrB, TensorSB const& tCsB,
-                         TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+// Row block m (mode 1 of the A and accumulator partitions) of gemm_ss: acc(_, m, _) += A(m) * B^T.
+// Running a GEMM one row block at a time bounds the accumulators live at once to that block's, at
+// the cost of reading B once per block; every accumulator still sums over k in the same order.
+template <class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
+          class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
+                              TensorSB const& tCsB, TiledMma const& tiled_mma, CopyA const& copy_a,
+                              CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
+  Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  copy(copy_a, tCsA(_, m, _0{}), tCrA_view(_, m, _0{}));
   copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
-    if (k < size<2>(tCrA) - 1) { copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1)); }
-    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    if (k < size<2>(tCrA) - 1) {
+      copy(copy_a, tCsA(_, m, k + 1), tCrA_view(_, m, k + 1));
+      copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    }
+    CUTE_UNROLL
+    for (int n = 0; n < size<1>(tCrB); ++n) { cute::gemm(tiled_mma, tCrA(_, m, k), tCrB(_, n, k), acc(_, m, n)); }
+  }
+}
+
+// acc = A * B with A already in registers (O += P V) and B read from shared memory, in kNChunks
+// column chunks: only one chunk's B slices are live at a time (A being in registers, this costs no
+// extra shared-memory reads), and each accumulator still sums over k in order.
+template <int kNChunks = 1, class TensorAcc, class TensorRA, class TensorRB, class TensorSB, class TiledMma,
+          class CopyB, class ThrCopyB>
+CUTE_DEVICE void gemm_rs(TensorAcc& acc, TensorRA const& tCrA, TensorRB& tCrB, TensorSB const& tCsB,
+                         TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+  Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  constexpr int kCopiesN = decltype(size<1>(tCrB_view))::value;
+  constexpr int kAtomsPerCopy = decltype(size<1>(tCrB))::value / kCopiesN;  // MMA_N per copy along N
+  static_assert(kCopiesN % kNChunks == 0);
+  constexpr int kChunk = kCopiesN / kNChunks;
+  CUTE_UNROLL
+  for (int c = 0; c < kNChunks; ++c) {
+    CUTE_UNROLL
+    for (int j = c * kChunk; j < (c + 1) * kChunk; ++j) { copy(copy_b, tCsB(_, j, _0{}), tCrB_view(_, j, _0{})); }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      if (k < size<2>(tCrA) - 1) {
+        CUTE_UNROLL
+        for (int j = c * kChunk; j < (c + 1) * kChunk; ++j) { copy(copy_b, tCsB(_, j, k + 1), tCrB_view(_, j, k + 1)); }
+      }
+      CUTE_UNROLL
+      for (int n = c * kChunk * kAtomsPerCopy; n < (c + 1) * kChunk * kAtomsPerCopy; ++n) {
+        CUTE_UNROLL
+        for (int m = 0; m < size<1>(tCrA); ++m) { cute::gemm(tiled_mma, tCrA(_, m, k), tCrB(_, n, k), acc(_, m, n)); }
+      }
+    }
   }
 }
 
@@ -64,6 +112,43 @@ CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout const& acc) {
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
+// Row block m of an fp32 accumulator ((2,2), MMA_M, MMA_N) converted into the same positions of `out`
+// (each 16x8 atom's four values are contiguous: one four-wide conversion per atom).
+template <class TensorAcc, class TensorOut>
+CUTE_DEVICE void convert_rows(TensorAcc const& acc, TensorOut& out, int m) {
+  using To = typename TensorOut::value_type;
+  static_assert(decltype(size<0>(acc))::value == 4 && decltype(cosize(layout<0>(acc)))::value == 4);
+  cutlass::NumericArrayConverter<To, float, 4> convert;
+  CUTE_UNROLL
+  for (int n = 0; n < size<2>(acc); ++n) {
+    *reinterpret_cast<cutlass::Array<To, 4>*>(&out(0, m, n)) =
+        convert(*reinterpret_cast<cutlass::Array<float, 4> const*>(&acc(0, m, n)));
+  }
+}
+
+// BandMask::apply for a fragment whose (row, col) coordinates tC is a partition of an identity
+// tensor: the thread's base coordinate is folded into three limits per tile, and each element compares
+// its compile-time offset in the partition against them. Three registers instead of one per distinct
+// coordinate, which the compiler would otherwise hoist out of the main loop and keep live.
+template <bool kIsBand, class TensorAcc, class TensorC>
+CUTE_DEVICE void apply_mask(TensorAcc& acc, TensorC const& tC, BandMask const& mask, int row0, int col0) {
+  auto const base = *tC.data();
+  int const col_t = col0 + get<1>(base);
+  // col - row - (seqlen_k - seqlen_q) = diag + (c - r) for an element at offset (r, c).
+  int const diag = col_t - (row0 + get<0>(base)) - (mask.seqlen_k - mask.seqlen_q);
+  int const col_end = mask.seqlen_k - col_t;                                           // masked: c >= col_end
+  int const hi = mask.window_right >= 0 ? mask.window_right - diag : INT_MAX;          // masked: c - r > hi
+  int const lo = mask.window_left >= 0 ? -mask.window_left - diag : INT_MIN;           // masked: c - r < lo
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    auto const off = tC.layout()(i);
+    int const c = get<1>(off);
+    bool masked = c >= col_end;
+    if constexpr (kIsBand) { masked |= c - get<0>(off) > hi || c - get<0>(off) < lo; }
+    if (masked) { acc(i) = -INFINITY; }
+  }
+}
+
 // Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM
 // that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).
 CUTE_DEVICE void red_add(float* ptr, float value) {
@@ -81,13 +166,15 @@ CUTE_DEVICE auto col_predicate(TensorC const& tC, int cols) {
 }
 
 // Global <-> shared tile copy with row and column predicates; elements outside the tensor are zeroed
-// so that padded K/V rows cannot inject NaN through 0 * garbage.
+// so that padded K/V rows cannot inject NaN through 0 * garbage. Rows are tested as their static
+// offset in the partition against max_row less the thread's base row: one register for all of them.
 template <bool kClearOob = true, class TiledCopy, class TensorS, class TensorD, class TensorC, class TensorP>
 CUTE_DEVICE void copy_tile(TiledCopy const& tiled_copy, TensorS const& S, TensorD& D, TensorC const& identity,
                            TensorP const& col_pred, int max_row) {
+  int const rows_left = max_row - get<0>(*identity.data());
   CUTE_UNROLL
   for (int m = 0; m < size<1>(S); ++m) {
-    if (get<0>(identity(0, m, 0)) < max_row) {
+    if (get<0>(identity.layout()(0, m, 0)) < rows_left) {
       CUTE_UNROLL
       for (int k = 0; k < size<2>(S); ++k) {
         if (col_pred(k)) {
