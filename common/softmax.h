@@ -50,22 +50,35 @@ struct OnlineSoftmax {
   template <bool kIsFirst, class TensorS>
   CUTE_DEVICE void online(TensorS& S) {
     static_assert(decltype(cute::size<0>(S))::value == kNRows);
+    constexpr int kCols = decltype(cute::size<1>(S))::value;
+    // Row max and sum in kParts independent chains: a single chain over a row is a dependency of
+    // kCols fixed-latency FMNMX / FADD, on the softmax's critical path.
+    constexpr int kParts = kCols % 4 == 0 ? 4 : kCols % 2 == 0 ? 2 : 1;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
+      float part[kParts];
+      CUTE_UNROLL
+      for (int p = 0; p < kParts; ++p) { part[p] = S(mi, p); }
+      CUTE_UNROLL
+      for (int ni = kParts; ni < kCols; ++ni) { part[ni % kParts] = fmaxf(part[ni % kParts], S(mi, ni)); }
       float m = row_max(mi);
       CUTE_UNROLL
-      for (int ni = 0; ni < cute::size<1>(S); ++ni) { m = fmaxf(m, S(mi, ni)); }
+      for (int p = 0; p < kParts; ++p) { m = fmaxf(m, part[p]); }
       m = quad_allreduce_max(m);
       // A fully masked row so far has m = -inf; subtracting 0 instead keeps exp2 at exactly 0.
       float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
       correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
       row_max(mi) = m;
+      CUTE_UNROLL
+      for (int p = 0; p < kParts; ++p) { part[p] = 0.f; }
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) {
+        S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
+        part[ni % kParts] += S(mi, ni);
+      }
       float sum = 0.f;
       CUTE_UNROLL
-      for (int ni = 0; ni < cute::size<1>(S); ++ni) {
-        S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
-        sum += S(mi, ni);
-      }
+      for (int p = 0; p < kParts; ++p) { sum += part[p]; }
       row_sum(mi) = kIsFirst ? sum : row_sum(mi) * correction(mi) + sum;
     }
   }

@@ -356,6 +356,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       pipeline_k.consumer_wait(read_state);
       wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
       turn.pass_turn(false);
+      finish_store();
       warpgroup_wait<0>();
       pipeline_k.consumer_release(read_state);
       first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
@@ -387,7 +388,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (!next) { break; }
         w = nw;
         head(w);
-        finish_store();  // two Q stages: waited for only now, when the store has long read its stage
       }
     }
   }
