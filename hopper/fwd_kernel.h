@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       pipeline_k.consumer_wait(read_state);
       wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
       turn.pass_turn(false);
-      finish_store();
+      finish_store();  // the previous tile's store (two Q stages), under this GEMM: the stage frees early
       warpgroup_wait<0>();
       pipeline_k.consumer_release(read_state);
       first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
