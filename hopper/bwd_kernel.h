@@ -259,7 +259,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);
   Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  constexpr int kdQCols = Traits::kdQCols;
+  // Pass `pass` of dQ: its columns of K^T (B operand) and of the staging tile.
+  auto tdQrKt = [&](int pass) {
+    return thr_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kdQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));
+  };
   Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
   clear(acc_dk);
@@ -270,7 +274,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
-  Tensor tdQsdQ = smem_thr_dq.partition_D(sdQ);
+  auto tdQsdQ = [&](int pass) {
+    return smem_thr_dq.partition_D(local_tile(sdQ, Shape<Int<kBlockM>, Int<kdQCols>>{}, make_coord(_0{}, pass)));
+  };
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
@@ -357,8 +363,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
       // rP and rdS are read by the in-flight dV/dK GEMMs: they stay live (fenced) until those complete.
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kdQCols>>{});
+      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt(0), acc_dq);
       warpgroup_wait<0>();
       warpgroup_fence_operand(rP);
       warpgroup_fence_operand(rdS);
@@ -368,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       pipeline_q.consumer_release(read_state);
       pipeline_do.consumer_release(read_state);
       if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
-      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(0));
     } else {
       Tensor tScS_rc = rowcol(tScS);
       constexpr int kRows = decltype(size<0>(tScS_rc))::value;
@@ -435,14 +441,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt, acc_dq);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kdQCols>>{});
+      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt(0), acc_dq);
       wg_gemm<false, -1>(mma_dv, thr_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
       wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
-      warpgroup_wait<2>();  // dQ done; dV and dK still running
+      warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
       if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
-      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ);
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(0));
+      CUTE_UNROLL
+      for (int pass = 1; pass < Traits::kdQPasses; ++pass) {  // behind dV/dK, into the same registers
+        wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt(pass), acc_dq);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+        copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(pass));
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);

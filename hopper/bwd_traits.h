@@ -73,7 +73,12 @@ struct BwdTraits {
                                         TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
   using TiledMmadV = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDimV>,
                                         TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
-  using TiledMmadQ = TiledMmaOf<kBlockM, kHeadDim, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
+  // dQ = dS K in kdQPasses column passes (d = 256: two), each staged before the next is issued, so
+  // only one pass's accumulators are live beside the dK/dV ones (one pass spilled 56 B there).
+  static constexpr int kdQPasses = kHeadDim > 192 ? 2 : 1;
+  static constexpr int kdQCols = kHeadDim / kdQPasses;
+  static_assert(kdQPasses == 1 || !kSwapSdP);
+  using TiledMmadQ = TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
 
   // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
   // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's half (d = 192: 96 columns).
