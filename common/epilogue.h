@@ -78,8 +78,7 @@ CUTE_DEVICE void store_o_tile_from_smem(TiledCopy const& copy_o, TensorS const& 
 // almost no registers.
 template <class SmemLayout, class Element>
 CUTE_DEVICE void store_o_rows_from_smem(Element const* smem_o, Element* o_ptr, int64_t row_stride, int row0,
-                                                    int seqlen_q, int seqlen_q_alloc, int head_dim_v, int tid,
-                                                    int num_threads) {
+                                        int seqlen_q, int seqlen_q_alloc, int head_dim_v, int tid, int num_threads) {
   constexpr int kElemsPerVec = 16 / int(sizeof(Element));
   constexpr int kRows = decltype(cute::size<0>(SmemLayout{}))::value;
   cute::Tensor sO = cute::make_tensor(cute::make_smem_ptr(smem_o), SmemLayout{});
