@@ -30,11 +30,17 @@ CUTE_DEVICE float quad_allreduce_sum(float x) {
   return x;
 }
 
+// Rescaling: a row keeps its running max (so O and the sum keep their scale) while a new block's
+// max exceeds it by at most kRescaleLog2 in the exp2 domain; P is then at most 2^kRescaleLog2, which
+// fp32 accumulators hold exactly as well. The decision is per warp (any of its rows), so the skip
+// is a uniform branch; once the max has settled, most blocks rescale nothing.
 template <int kNRows>
 struct OnlineSoftmax {
+  static constexpr float kRescaleLog2 = 8.f;
   using RowTensor = cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>>;
   RowTensor row_max, row_sum, correction;
   float const scale_log2;
+  bool rescale = false;  // the last online<false> moved this warp's maxima: O must be rescaled
 
   CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
     cute::fill(row_max, -INFINITY);
@@ -45,8 +51,9 @@ struct OnlineSoftmax {
   CUTE_DEVICE void reset() { cute::fill(row_max, -INFINITY); }
 
   // Turns scores S (rows x cols) into unnormalized probabilities in place, updating the running max
-  // and (per-thread partial) sums. The factor by which O must be rescaled is kept in `correction`
-  // so the caller can apply it once the GEMM still writing O has completed (rescale_o).
+  // (see kRescaleLog2) and (per-thread partial) sums. The factor by which O must be rescaled is kept
+  // in `correction` so the caller can apply it once the GEMM still writing O has completed
+  // (rescale_o).
   template <bool kIsFirst, class TensorS>
   CUTE_DEVICE void online(TensorS& S) {
     static_assert(decltype(cute::size<0>(S))::value == kNRows);
@@ -54,6 +61,8 @@ struct OnlineSoftmax {
     // Row max and sum in kParts independent chains: a single chain over a row is a dependency of
     // kCols fixed-latency FMNMX / FADD, on the softmax's critical path.
     constexpr int kParts = kCols % 4 == 0 ? 4 : kCols % 2 == 0 ? 2 : 1;
+    float block_max[kNRows];
+    bool moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float part[kParts];
@@ -61,14 +70,26 @@ struct OnlineSoftmax {
       for (int p = 0; p < kParts; ++p) { part[p] = S(mi, p); }
       CUTE_UNROLL
       for (int ni = kParts; ni < kCols; ++ni) { part[ni % kParts] = fmaxf(part[ni % kParts], S(mi, ni)); }
-      float m = row_max(mi);
+      float m = part[0];
       CUTE_UNROLL
-      for (int p = 0; p < kParts; ++p) { m = fmaxf(m, part[p]); }
-      m = quad_allreduce_max(m);
+      for (int p = 1; p < kParts; ++p) { m = fmaxf(m, part[p]); }
+      block_max[mi] = quad_allreduce_max(m);
+      // -inf + kRescaleLog2 stays -inf: a row that saw no key yet takes any finite max.
+      moved |= block_max[mi] * scale_log2 > row_max(mi) * scale_log2 + kRescaleLog2;
+    }
+    rescale = !kIsFirst && __any_sync(0xffffffff, moved);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      if (kIsFirst || rescale) {
+        float const m = fmaxf(row_max(mi), block_max[mi]);
+        // A fully masked row so far has m = -inf; its old max then contributes exactly 0.
+        correction(mi) = kIsFirst ? 1.f : (m == -INFINITY ? 1.f : exp2f((row_max(mi) - m) * scale_log2));
+        row_max(mi) = m;
+      }
+      float const m = row_max(mi);
       // A fully masked row so far has m = -inf; subtracting 0 instead keeps exp2 at exactly 0.
       float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
-      row_max(mi) = m;
+      float part[kParts];
       CUTE_UNROLL
       for (int p = 0; p < kParts; ++p) { part[p] = 0.f; }
       CUTE_UNROLL
@@ -79,12 +100,19 @@ struct OnlineSoftmax {
       float sum = 0.f;
       CUTE_UNROLL
       for (int p = 0; p < kParts; ++p) { sum += part[p]; }
-      row_sum(mi) = kIsFirst ? sum : row_sum(mi) * correction(mi) + sum;
+      if (kIsFirst) {
+        row_sum(mi) = sum;
+      } else if (rescale) {
+        row_sum(mi) = row_sum(mi) * correction(mi) + sum;
+      } else {
+        row_sum(mi) += sum;
+      }
     }
   }
 
   template <class TensorO>
   CUTE_DEVICE void rescale_o(TensorO& O) const {
+    if (!rescale) { return; }
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       CUTE_UNROLL
