@@ -33,8 +33,10 @@ CUTE_DEVICE float quad_allreduce_sum(float x) {
 // Rescaling: a row keeps its running max (so O and the sum keep their scale) while a new block's
 // max exceeds it by at most kRescaleLog2 in the exp2 domain; P is then at most 2^kRescaleLog2, which
 // fp32 accumulators hold exactly as well. The decision is per warp (any of its rows), so the skip
-// is a uniform branch; once the max has settled, most blocks rescale nothing.
-template <int kNRows>
+// is a uniform branch; once the max has settled, most blocks rescale nothing. kLazyRescale = false
+// rescales on every block: where O is small (d <= 64) the vote on the critical path costs more than
+// the multiplies it saves.
+template <int kNRows, bool kLazyRescale = false>
 struct OnlineSoftmax {
   static constexpr float kRescaleLog2 = 8.f;
   using RowTensor = cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>>;
@@ -75,20 +77,20 @@ struct OnlineSoftmax {
       for (int p = 1; p < kParts; ++p) { m = fmaxf(m, part[p]); }
       block_max[mi] = quad_allreduce_max(m);
       // -inf + kRescaleLog2 stays -inf: a row that saw no key yet takes any finite max.
-      moved |= block_max[mi] * scale_log2 > row_max(mi) * scale_log2 + kRescaleLog2;
+      moved |= block_max[mi] * scale_log2 > row_max(mi) * scale_log2 + (kLazyRescale ? kRescaleLog2 : 0.f);
     }
-    rescale = !kIsFirst && __any_sync(0xffffffff, moved);
+    rescale = !kIsFirst && (!kLazyRescale || __any_sync(0xffffffff, moved));
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       if (kIsFirst || rescale) {
         float const m = fmaxf(row_max(mi), block_max[mi]);
-        // A fully masked row so far has m = -inf; its old max then contributes exactly 0.
-        correction(mi) = kIsFirst ? 1.f : (m == -INFINITY ? 1.f : exp2f((row_max(mi) - m) * scale_log2));
+        // A row without a finite max yet has O = 0 and sum = 0: any finite correction will do.
+        float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
         row_max(mi) = m;
       }
-      float const m = row_max(mi);
-      // A fully masked row so far has m = -inf; subtracting 0 instead keeps exp2 at exactly 0.
-      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      // A fully masked row so far has max = -inf; subtracting 0 instead keeps exp2 at exactly 0.
+      float const m_scaled = row_max(mi) == -INFINITY ? 0.f : row_max(mi) * scale_log2;
       float part[kParts];
       CUTE_UNROLL
       for (int p = 0; p < kParts; ++p) { part[p] = 0.f; }

@@ -38,6 +38,7 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = kTile.consumer_regs;
   static constexpr bool kIntraWGOverlap = kTile.intra_wg_overlap;
   static constexpr bool kPingPong = kTile.pingpong && kNMmaWarpGroups == 2;
+  static constexpr bool kLazyRescale = kTile.lazy_rescale;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
