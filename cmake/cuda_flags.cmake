@@ -1,7 +1,8 @@
 # nvcc flags, per-source gencode (hopper/ -> sm_90a, ampere/ -> sm_80 family and sm_90), ccache,
 # and a compile job pool sized by memory (nvcc on CuTe kernels takes 3-5 GB per job).
 set(FT_CUDA_FLAGS -O3 --use_fast_math --expt-relaxed-constexpr -DNDEBUG -Xcompiler=-fno-strict-aliasing
-    -DFLASHTILE_HOPPER_SCHEDULE=${FLASHTILE_HOPPER_SCHEDULE} -DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL)
+    -DFLASHTILE_HOPPER_SCHEDULE=${FLASHTILE_HOPPER_SCHEDULE}
+    -DFLASHTILE_EXP_FMA_PER16=${FLASHTILE_EXP_FMA_PER16} -DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL)
 if(FLASHTILE_PTXAS_VERBOSE)
   list(APPEND FT_CUDA_FLAGS -Xptxas=-v)
 endif()

@@ -18,3 +18,4 @@ ft_option(FLASHTILE_OPS "" "operations to build, e.g. fwd (empty = fwd;bwd); for
 ft_option(FLASHTILE_PTXAS_VERBOSE "OFF" "print ptxas register/spill reports")
 ft_option(FLASHTILE_EMBED_PTX "OFF" "also embed PTX of the lowest arch of each kernel family (JIT on newer GPUs)")
 ft_option(FLASHTILE_HOPPER_SCHEDULE "-1" "Hopper consumer schedule override (0 serial, 1 overlap, 2 overlap+pingpong, 3 serial+pingpong; -1 policy)")
+ft_option(FLASHTILE_EXP_FMA_PER16 "-1" "Hopper forward: exponentials per 16 score columns on the FMA pipe (0-16; -1 policy)")

@@ -30,13 +30,30 @@ CUTE_DEVICE float quad_allreduce_sum(float x) {
   return x;
 }
 
+// 2^x on the FMA/ALU pipes, for a share of a block's exponentials: MUFU.EX2 retires 16 results per
+// clock per SM, which at d <= 64 takes as long as the block's two GEMMs, while issue slots are free.
+// x = j + g with j = round(x) (adding 1.5 * 2^23 leaves j in the low mantissa bits) and g in
+// [-0.5, 0.5]; 2^g from a degree-3 polynomial exact at g = 0 (relative error 1.0e-4, far below a
+// 16-bit P's rounding), its exponent field raised by j. The clamp at -126 keeps the exponent field
+// from wrapping: exp2(-inf) becomes at most 2^-126, which adds nothing visible to O or the row sum
+// (finalize treats a row whose max is -inf as empty).
+CUTE_DEVICE float exp2_fma(float x) {
+  x = fmaxf(x, -126.f);
+  float const shifted = x + 0x1.8p23f;
+  float const g = x - (shifted - 0x1.8p23f);
+  float p = fmaf(0x1.c2a1dcp-5f, g, 0x1.f00c2cp-3f);
+  p = fmaf(p, g, 0x1.62f5fap-1f);
+  p = fmaf(p, g, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+
 // Rescaling: a row keeps its running max (so O and the sum keep their scale) while a new block's
 // max exceeds it by at most kRescaleLog2 in the exp2 domain; P is then at most 2^kRescaleLog2, which
 // fp32 accumulators hold exactly as well. The decision is per warp (any of its rows), so the skip
 // is a uniform branch; once the max has settled, most blocks rescale nothing. kLazyRescale = false
 // rescales on every block: where O is small (d <= 64) the vote on the critical path costs more than
-// the multiplies it saves.
-template <int kNRows, bool kLazyRescale = false>
+// the multiplies it saves. kExpFmaPer16 of every 16 columns take exp2_fma instead of MUFU.EX2.
+template <int kNRows, bool kLazyRescale = false, int kExpFmaPer16 = 0>
 struct OnlineSoftmax {
   static constexpr float kRescaleLog2 = 8.f;
   using RowTensor = cute::Tensor<cute::ArrayEngine<float, kNRows>, cute::Layout<cute::Shape<cute::Int<kNRows>>>>;
@@ -96,7 +113,8 @@ struct OnlineSoftmax {
       for (int p = 0; p < kParts; ++p) { part[p] = 0.f; }
       CUTE_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
-        S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
+        float const x = S(mi, ni) * scale_log2 - m_scaled;
+        S(mi, ni) = ni * kExpFmaPer16 % 16 < kExpFmaPer16 ? exp2_fma(x) : exp2f(x);  // spread over the row
         part[ni % kParts] += S(mi, ni);
       }
       float sum = 0.f;
@@ -128,7 +146,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float const sum = quad_allreduce_sum(row_sum(mi));
-      bool const empty = sum == 0.f || sum != sum;
+      bool const empty = row_max(mi) == -INFINITY || sum == 0.f || sum != sum;
       float const inv = empty ? 0.f : 1.f / sum;
       lse(mi) = empty ? -INFINITY : row_max(mi) * scale_ln + logf(sum);
       CUTE_UNROLL

@@ -54,12 +54,17 @@ struct HopperFwdTile {
   bool intra_wg_overlap;  // issue QK^T of block j with PV of block j+1
   bool pingpong;          // alternate the two consumer warpgroups' GEMMs via named barriers
   bool lazy_rescale;      // rescale O only when a row max moves enough (OnlineSoftmax::kRescaleLog2)
+  int exp_fma_per16;      // exponentials per 16 score columns computed on the FMA pipe (exp2_fma)
 };
 
 // Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
 // 0 serial, 1 intra-warpgroup overlap, 2 overlap + ping-pong, 3 serial + ping-pong; -1 = policy.
 #ifndef FLASHTILE_HOPPER_SCHEDULE
 #define FLASHTILE_HOPPER_SCHEDULE -1
+#endif
+// Build-time override of HopperFwdTile::exp_fma_per16 (0-16); -1 = policy.
+#ifndef FLASHTILE_EXP_FMA_PER16
+#define FLASHTILE_EXP_FMA_PER16 -1
 #endif
 
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
@@ -69,14 +74,15 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   // the serial schedule with ping-pong compiles spill-free.
   // Lazy rescaling measured +3-8% at d = 256 causal 4k and neutral at d = 128; at d = 64 (32 O
   // registers) the warp vote cost 4% (causal 1k, non-causal 4k).
-  HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false}
-                  : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true}
-                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, false, true, true}
-                             : HopperFwdTile{128, 64, 2, 24, 240, false, true, true};
+  HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false, 0}
+                  : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true, 0}
+                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, false, true, true, 0}
+                             : HopperFwdTile{128, 64, 2, 24, 240, false, true, true, 0};
   if (FLASHTILE_HOPPER_SCHEDULE >= 0) {
     t.intra_wg_overlap = FLASHTILE_HOPPER_SCHEDULE == 1 || FLASHTILE_HOPPER_SCHEDULE == 2;
     t.pingpong = FLASHTILE_HOPPER_SCHEDULE >= 2;
   }
+  if (FLASHTILE_EXP_FMA_PER16 >= 0) { t.exp_fma_per16 = FLASHTILE_EXP_FMA_PER16; }
   return t;
 }
 

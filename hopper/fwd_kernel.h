@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
       clear(tOrO);
-      OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale> softmax(params.scale_log2);
+      OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale, Traits::kExpFmaPer16> softmax(params.scale_log2);
       pipeline_q.consumer_wait(q_read_state);
       serial_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ(_, _, _, q_read_state.index()),
                                                     tSrK, tOrV, tOrO, tScS, make_mask(w), softmax, params.softcap_scale,
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     TileWork w;
     bool const more = next_work(sched.tile(blockIdx.x), w);
     Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
-    OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale> softmax(params.scale_log2);
+    OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale, Traits::kExpFmaPer16> softmax(params.scale_log2);
     auto new_scores = [&] { return partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{})); };
     Tensor tOrP = make_tensor<Element>(new_scores().layout());
     Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
