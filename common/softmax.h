@@ -146,7 +146,8 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
       float const sum = quad_allreduce_sum(row_sum(mi));
-      bool const empty = row_max(mi) == -INFINITY || sum == 0.f || sum != sum;
+      // With exp2_fma, masked scores leave a sum of about 2^-126 in a row that saw no key.
+      bool const empty = (kExpFmaPer16 > 0 && row_max(mi) == -INFINITY) || sum == 0.f || sum != sum;
       float const inv = empty ? 0.f : 1.f / sum;
       lse(mi) = empty ? -INFINITY : row_max(mi) * scale_ln + logf(sum);
       CUTE_UNROLL
