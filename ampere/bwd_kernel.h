@@ -5,13 +5,16 @@
 // (exact probabilities from the forward's LSE), dS = P * (dP - D) (times the tanh derivative under
 // softcap). P and dS go to shared memory in the input dtype; dV += P^T dO and dK += dS^T Q read them
 // through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
-// the fp32 dq accumulator with atomics (in n_block order per query block in deterministic mode).
+// the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
+// query block in deterministic mode). D of each step's rows is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
-// Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 2 is issued
-// once step s's buffers are free, so it has a whole step to land; one cp.async group per step.
-// Synchronization: after each wait for Q/dO; after P/dS are written; after the dK/dV GEMMs, before a
-// Q/dO load overwrites their operands.
+// Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
+// right after step s's opening barrier, into the buffers step s - 1 used, so it has a whole step to
+// land; one cp.async group per step.
+// Synchronization: after each wait for Q/dO (which is also where every thread is done with the
+// previous step); after P/dS are written; single-buffered, also after the dK/dV GEMMs, before the
+// next Q/dO load overwrites their operands.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -98,8 +101,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   extern __shared__ char smem_[];
   Element* smem = reinterpret_cast<Element*>(smem_);
-  // [Q x kQStages][dO x kQStages][K][V][P][dS]; a stage is a whole number of swizzle periods, so a
-  // partition of stage 0 plus the stage's offset is the same partition of that stage.
+  // [Q x kQStages][dO x kQStages][K][V][P][dS][D x kQStages (fp32)]; a stage is a whole number of
+  // swizzle periods, so a partition of stage 0 plus the stage's offset is the same partition of that stage.
   constexpr int kQStages = Traits::kQStages;
   constexpr int kOffdO = kQStages * Traits::kSmemQ;
   constexpr int kOffK = kOffdO + kQStages * Traits::kSmemdO;
@@ -112,6 +115,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor sV = make_tensor(make_smem_ptr(smem + kOffV), typename Traits::SmemLayoutV{});
   Tensor sP = make_tensor(make_smem_ptr(smem + kOffP), typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(make_smem_ptr(smem + kOffdS), typename Traits::SmemLayoutPdS{});
+  float* sD = reinterpret_cast<float*>(smem + kOffdS + Traits::kSmemPdS);
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutdOt{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
@@ -140,7 +144,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto load_q_do = [&](int step) {
     auto tiles = q_tiles(step);
     int const stage = step % kQStages;
-    int const rows = seq.seqlen_q - (m_block_min + step % num_m_blocks) * kBlockM;
+    int const m_block = m_block_min + step % num_m_blocks;
+    int const rows = seq.seqlen_q - m_block * kBlockM;
+    // D of the step's rows (0 past seqlen_q) rides in the same group: read from shared memory after
+    // the dP GEMM, it holds no registers during it.
+    if (tidx < kBlockM) {
+      int64_t const row_off = seq.lse_offset(p, bidb) + (bidh_k * group + step / num_m_blocks) * p.lse_head_stride;
+      bool const in = tidx < rows;
+      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b.dsoftmax_sum[row_off + m_block * kBlockM + (in ? tidx : 0)],
+                                                   sD[stage * kBlockM + tidx], in);
+    }
     Tensor tQsQ_s = at_stage(tQsQ, stage * Traits::kSmemQ);
     Tensor tdOsdO_s = at_stage(tdOsdO, stage * Traits::kSmemdO);
     copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(get<0>(tiles)), tQsQ_s, tQcQ, tQKp, rows);
@@ -214,8 +227,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     copy_tile(gmem_copy_v, gmem_thr_v.partition_S(gV), tVsV, tVcV, tVp, rows_k);
     load_q_do(0);
     cp_async_fence();
-    if (kQStages > 1 && num_steps > 1) { load_q_do(1); }
-    cp_async_fence();  // possibly empty: one group per step keeps the wait count uniform
   }
 
   for (int step = 0; step < num_steps; ++step) {
@@ -231,8 +242,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     int const q_off = (step % kQStages) * Traits::kSmemQ;
     int const do_off = (step % kQStages) * Traits::kSmemdO;
-    cp_async_wait<kQStages - 1>();  // all but the newest group (the next step's Q/dO when buffered)
-    __syncthreads();  // this step's Q/dO (and K/V) visible; every thread is done reading the previous dS
+    cp_async_wait<0>();  // this step's group, the only one in flight
+    __syncthreads();  // this step's Q/dO/D (and K/V) visible; every thread is done with the previous step
+    if constexpr (kQStages > 1) {
+      if (step + 1 < num_steps) { load_q_do(step + 1); }
+      cp_async_fence();
+    }
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -246,43 +261,50 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     Tensor scores = rowcol(acc_s);
 
-    // P, dP and dS one row block (MMA_M index) at a time, so that only that block's P and dP
-    // accumulators are live during its dP GEMM (V is read once per block). Under softcap the block's
-    // tanh values stay live instead of a second fragment for the tanh derivative.
+    // P, dP and dS in groups of kDpRowBlocks row blocks (MMA_M index): the whole tile reads V once in
+    // the dP GEMM; one row block at a time bounds the P and dP accumulators live at once (the tile
+    // policy's choice; always under softcap, whose tanh values stay live instead of a second fragment
+    // for the tanh derivative).
     Tensor acc_p = make_fragment_like(acc_s);
     Tensor probs = rowcol(acc_p);
     Tensor rP = make_tensor<Element>(acc_p.layout());
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor dp = rowcol(acc_dp);
     Tensor rdS = make_tensor<Element>(acc_dp.layout());
+    constexpr int kMBlocks = decltype(size<1>(acc_dp))::value;
+#if defined(__CUDA_ARCH__)
+    constexpr bool kDpWhole = __CUDA_ARCH__ >= Traits::kDpWholeArch && !kHasSoftcap;
+#else
+    constexpr bool kDpWhole = false;
+#endif
+    constexpr int kDpRowBlocks = kDpWhole ? kMBlocks : 1;
+    constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
     CUTE_UNROLL
-    for (int m = 0; m < size<1>(acc_dp); ++m) {
+    for (int m0 = 0; m0 < kMBlocks; m0 += kDpRowBlocks) {
       CUTE_UNROLL
-      for (int r = 0; r < kRowsPerBlock; ++r) {
-        int const mi = r + m * kRowsPerBlock;
+      for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(probs); ++ni) {
-          probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
+        for (int r = 0; r < kRowsPerBlock; ++r) {
+          int const mi = r + m * kRowsPerBlock;
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(probs); ++ni) {
+            probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
+          }
         }
+        convert_rows(acc_p, rP, m);
+        copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
       }
-      convert_rows(acc_p, rP, m);
-      copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
-      // D of the block's rows, loaded here so the load overlaps its dP GEMM and its registers live shortly.
-      float dsum[kRowsPerBlock];
       CUTE_UNROLL
-      for (int r = 0; r < kRowsPerBlock; ++r) {
-        int const row = m_block * kBlockM + get<0>(tScS_rc(r + m * kRowsPerBlock, 0));
-        dsum[r] = row < seq.seqlen_q ? b.dsoftmax_sum[row_off + row] : 0.f;
-      }
-      clear(acc_dp(_, m, _));
-      gemm_ss_rows(acc_dp, m, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a,
-                   thr_sdp_b);
+      for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
+      gemm_ss_rows<kDpRowBlocks>(acc_dp, m0, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a,
+                                 copy_sdp_b, thr_sdp_a, thr_sdp_b);
       CUTE_UNROLL
-      for (int r = 0; r < kRowsPerBlock; ++r) {
-        int const mi = r + m * kRowsPerBlock;
+      for (int r = 0; r < kDpRows; ++r) {
+        int const mi = r + m0 * kRowsPerBlock;
+        float const dsum = sD[(step % kQStages) * kBlockM + get<0>(tScS_rc(mi, 0))];
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(dp); ++ni) {
-          float ds = probs(mi, ni) * (dp(mi, ni) - dsum[r]);
+          float ds = probs(mi, ni) * (dp(mi, ni) - dsum);
           if constexpr (kHasSoftcap) {
             // d tanh = 1 - t^2; a masked entry (t = -inf) has P = 0 and keeps its +-0 dS.
             float const t = scores(mi, ni);
@@ -291,16 +313,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
           dp(mi, ni) = ds;
         }
       }
-      convert_rows(acc_dp, rdS, m);
-      copy(copy_pds, thr_pds.retile_S(rdS)(_, m, _), tdSsdS(_, m, _));
+      CUTE_UNROLL
+      for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
+        convert_rows(acc_dp, rdS, m);
+        copy(copy_pds, thr_pds.retile_S(rdS)(_, m, _), tdSsdS(_, m, _));
+      }
     }
     __syncthreads();  // P and dS visible
 
     gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-    __syncthreads();  // every thread is done with this step's Q, dO and P
-    if (step + kQStages < num_steps) { load_q_do(step + kQStages); }
-    cp_async_fence();
+    if constexpr (kQStages == 1) {
+      __syncthreads();  // every thread is done with this step's Q and dO
+      if (step + 1 < num_steps) { load_q_do(step + 1); }
+      cp_async_fence();
+    }
 
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_dq);
@@ -319,8 +346,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
                                               bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride),
                                 Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(b.dq_accum_row_stride, _1{}));
     Tensor tdQgdQacc = thr_dq.partition_C(gdQacc);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) { red_add(&tdQgdQacc(i), acc_dq(i)); }
+    red_add_fragment(acc_dq, tdQgdQacc);
     if (b.deterministic) { pass_dq_turn(semaphore); }
   }
 

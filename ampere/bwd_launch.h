@@ -11,9 +11,9 @@
 
 namespace flashtile::ampere {
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
-LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_bwd_traits(BwdParams const& params, cudaStream_t stream) {
+  using Element = typename Traits::Element;
   FtFwdParams const& p = params.fwd.abi;
   auto kernel = bwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
@@ -23,6 +23,21 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
   return launch_bwd_postprocess<Element>(params, stream);
+}
+
+// The large-shared-memory tile where it differs from the default and the device allows it.
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
+  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
+  using TraitsLarge = BwdTraits<Element, kHeadDim, kHeadDimV, true>;
+  if constexpr (TraitsLarge::kSmemBytes != Traits::kSmemBytes) {
+    DeviceAttrs attrs;
+    if (LaunchStatus s = device_attrs(params.fwd.abi.device, attrs); !s.ok()) { return s; }
+    if (attrs.smem_optin >= TraitsLarge::kSmemBytes) {
+      return run_bwd_traits<TraitsLarge, kIsBand, kHasSoftcap>(params, stream);
+    }
+  }
+  return run_bwd_traits<Traits, kIsBand, kHasSoftcap>(params, stream);
 }
 
 }  // namespace flashtile::ampere

@@ -14,17 +14,19 @@ namespace flashtile::ampere {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kHeadDimV_>
+// kLargeSmem: the tile for devices that allow more than sm_80's 163 KB per block (tile policy).
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kLargeSmem = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV);
+  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kLargeSmem);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kQStages = kTile.q_stages;
+  static constexpr int kDpWholeArch = kTile.dp_whole_arch;
   static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0);
   static_assert(kBlockM % FT_BWD_SEMAPHORE_ROWS == 0, "dq_semaphore is indexed in units of FT_BWD_SEMAPHORE_ROWS");
 
@@ -63,7 +65,8 @@ struct BwdTraits {
   static constexpr int kSmemV = cosize(SmemLayoutV{});
   static constexpr int kSmemPdS = cosize(SmemLayoutPdS{});
   static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (kQStages * (kSmemQ + kSmemdO) + kSmemK + kSmemV + 2 * kSmemPdS);
+      int(sizeof(Element)) * (kQStages * (kSmemQ + kSmemdO) + kSmemK + kSmemV + 2 * kSmemPdS) +
+      int(sizeof(float)) * kQStages * kBlockM;  // D of each stage's rows
 };
 
 }  // namespace flashtile::ampere

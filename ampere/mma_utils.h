@@ -37,26 +37,31 @@ CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorS
   }
 }
 
-// Row block m (mode 1 of the A and accumulator partitions) of gemm_ss: acc(_, m, _) += A(m) * B^T.
-// Running a GEMM one row block at a time bounds the accumulators live at once to that block's, at
-// the cost of reading B once per block; every accumulator still sums over k in the same order.
-template <class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
+// Row blocks [m0, m0 + kRowBlocks) (mode 1 of the A and accumulator partitions) of gemm_ss:
+// acc(_, m, _) += A(m) * B^T. Fewer row blocks bound the accumulators live at once, at the cost of
+// reading B once per call; every accumulator still sums over k in the same order.
+template <int kRowBlocks, class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
           class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
-CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
+CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m0, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
                               TensorSB const& tCsB, TiledMma const& tiled_mma, CopyA const& copy_a,
                               CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
   Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
-  copy(copy_a, tCsA(_, m, _0{}), tCrA_view(_, m, _0{}));
+  CUTE_UNROLL
+  for (int m = m0; m < m0 + kRowBlocks; ++m) { copy(copy_a, tCsA(_, m, _0{}), tCrA_view(_, m, _0{})); }
   copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
     if (k < size<2>(tCrA) - 1) {
-      copy(copy_a, tCsA(_, m, k + 1), tCrA_view(_, m, k + 1));
+      CUTE_UNROLL
+      for (int m = m0; m < m0 + kRowBlocks; ++m) { copy(copy_a, tCsA(_, m, k + 1), tCrA_view(_, m, k + 1)); }
       copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
     }
     CUTE_UNROLL
-    for (int n = 0; n < size<1>(tCrB); ++n) { cute::gemm(tiled_mma, tCrA(_, m, k), tCrB(_, n, k), acc(_, m, n)); }
+    for (int m = m0; m < m0 + kRowBlocks; ++m) {
+      CUTE_UNROLL
+      for (int n = 0; n < size<1>(tCrB); ++n) { cute::gemm(tiled_mma, tCrA(_, m, k), tCrB(_, n, k), acc(_, m, n)); }
+    }
   }
 }
 
@@ -153,6 +158,23 @@ CUTE_DEVICE void apply_mask(TensorAcc& acc, TensorC const& tC, BandMask const& m
 // that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).
 CUTE_DEVICE void red_add(float* ptr, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
+}
+
+// acc (an fp32 16x8-atom accumulator fragment) added to g, the same MMA's partition of a global
+// tensor. Each atom holds two adjacent columns per row; sm_90 adds them with one 8-byte vector
+// reduction: half the instructions, and each 32-byte sector a warp touches gets 8 values, not 4.
+template <class TensorAcc, class TensorG>
+CUTE_DEVICE void red_add_fragment(TensorAcc const& acc, TensorG& g) {
+  static_assert(decltype(size<0, 0>(g))::value == 2 && is_constant<1, decltype(stride<0, 0>(g))>::value);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(&g(i)), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
+#else
+    red_add(&g(i), acc(i));
+    red_add(&g(i + 1), acc(i + 1));
+#endif
+  }
 }
 
 // Per-column-group predicate of a tiled copy: tC is its (CPY, CPY_M, CPY_K) partition of an identity

@@ -23,8 +23,17 @@ constexpr FwdTile ampere_fwd_tile(int head_dim) {
 // warp layouts (rows x cols of warps) tile the three GEMM shapes: S/dP (block_m x block_n), dK/dV
 // (block_n x d) and dQ (block_m x d). The dK/dV accumulators (2 * block_n * d fp32 over the CTA) set
 // the register budget: block_n 128 up to d = 128, 64 above.
+// On sm_90 the kernel is estimated to be bound by shared-memory bandwidth (ldmatrix operand reads),
+// not mma.sync, so each layout is the one that reads the fewest operand bytes per step: a warp tile
+// of w_m x w_n over a GEMM with inner dimension k reads (w_m + w_n) * k, least when w_m and w_n are
+// close. Hence
+// block_m 128 at d = 64 (K/V and the dK/dV GEMMs' B operands amortized over twice the rows) and
+// square-ish warp tiles: d = 64: 128 x 128 with 4 x 2 warps for all three GEMMs; d = 128: dQ on
+// 2 x 4 warps (32 x 32 warp tiles, not 16 x 64); d >= 192: S/dP on 4 x 2, dK/dV and dQ on 2 x 4.
+// The column tile of each layout must divide its GEMM's width (hence d = 96 keeps dQ on 4 x 2).
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
-// 16-bit: d = 64: 96 KB, d = 128: 160 KB, d = 192: 160 KB, d = 256: 144 KB.
+// 16-bit, + D (fp32) per stage: d = 64: 161 KB, d = 96: 128 KB, d = 128: 161 KB, d = 192: 161 KB,
+// d = 256: 144 KB (208 KB with large_smem).
 struct BwdTile {
   int block_m;
   int block_n;
@@ -33,13 +42,21 @@ struct BwdTile {
   int warps_n_dkv;  // warps along block_n for dK/dV (the rest along d)
   int warps_m_dq;   // warps along block_m for dQ (the rest along d)
   int q_stages;     // Q/dO buffers: 2 loads the next query block during the whole current one
+  int dp_whole_arch;  // from this __CUDA_ARCH__ on, the dP GEMM covers all of a warp's rows at once
+                      // (V read once) rather than one 16-row block at a time (fewer accumulators
+                      // live): sm_80 code spills with it at d = 64 and 128, sm_90 code does not
+                      // (never under softcap)
 };
 
-// Double-buffered Q/dO where the total stays within sm_80's 163 KB (d = 256 would need 208 KB).
-constexpr BwdTile ampere_bwd_tile(int head_dim) {
-  return head_dim <= 128   ? BwdTile{64, 128, 8, 2, 4, 4, 2}
-         : head_dim <= 192 ? BwdTile{64, 64, 8, 2, 4, 4, 2}
-                           : BwdTile{64, 64, 8, 2, 4, 4, 1};
+// Double-buffered Q/dO where the total stays within sm_80's 163 KB; d = 256 needs 208 KB for it, which
+// devices with large_smem (sm_90: 227 KB) get: single-buffered, a step's Q/dO load only has the dQ
+// GEMM to land behind.
+constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false) {
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2, 900}
+         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 900}
+         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 900}
+         : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0}
+                           : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0};
 }
 
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
