@@ -93,8 +93,10 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int p = 1; p < kParts; ++p) { m = fmaxf(m, part[p]); }
       block_max[mi] = quad_allreduce_max(m);
-      // -inf + kRescaleLog2 stays -inf: a row that saw no key yet takes any finite max.
-      moved |= block_max[mi] * scale_log2 > row_max(mi) * scale_log2 + (kLazyRescale ? kRescaleLog2 : 0.f);
+      if constexpr (kLazyRescale) {
+        // -inf + kRescaleLog2 stays -inf: a row that saw no key yet takes any finite max.
+        moved |= block_max[mi] * scale_log2 > row_max(mi) * scale_log2 + kRescaleLog2;
+      }
     }
     rescale = !kIsFirst && (!kLazyRescale || __any_sync(0xffffffff, moved));
     CUTE_UNROLL

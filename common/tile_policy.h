@@ -26,9 +26,8 @@ constexpr FwdTile ampere_fwd_tile(int head_dim) {
 // On sm_90 the kernel is estimated to be bound by shared-memory bandwidth (ldmatrix operand reads),
 // not mma.sync, so each layout is the one that reads the fewest operand bytes per step: a warp tile
 // of w_m x w_n over a GEMM with inner dimension k reads (w_m + w_n) * k, least when w_m and w_n are
-// close. Hence
-// block_m 128 at d = 64 (K/V and the dK/dV GEMMs' B operands amortized over twice the rows) and
-// square-ish warp tiles: d = 64: 128 x 128 with 4 x 2 warps for all three GEMMs; d = 128: dQ on
+// close. Hence block_m 128 at d = 64 (K/V and the dK/dV GEMMs' B operands amortized over twice the
+// rows) and square-ish warp tiles: d = 64: 128 x 128 with 4 x 2 warps for all three GEMMs; d = 128: dQ on
 // 2 x 4 warps (32 x 32 warp tiles, not 16 x 64); d >= 192: S/dP on 4 x 2, dK/dV and dQ on 2 x 4.
 // The column tile of each layout must divide its GEMM's width (hence d = 96 keeps dQ on 4 x 2).
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
@@ -48,9 +47,9 @@ struct BwdTile {
                       // (never under softcap)
 };
 
-// Double-buffered Q/dO where the total stays within sm_80's 163 KB; d = 256 needs 208 KB for it, which
-// devices with large_smem (sm_90: 227 KB) get: single-buffered, a step's Q/dO load only has the dQ
-// GEMM to land behind.
+// Double-buffered Q/dO where the total stays within sm_80's 163 KB. d = 256 needs 208 KB for it, so
+// only devices with large_smem (sm_90: 227 KB) get it; elsewhere it is single-buffered and a step's
+// Q/dO load has only the dQ GEMM to land behind.
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false) {
   return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2, 900}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 900}
