@@ -81,7 +81,8 @@ CUTE_DEVICE void store_o_rows_from_smem(Element const* smem_o, Element* o_ptr, i
                                         int seqlen_q, int seqlen_q_alloc, int head_dim_v, int tid, int num_threads) {
   constexpr int kElemsPerVec = 16 / int(sizeof(Element));
   constexpr int kRows = decltype(cute::size<0>(SmemLayout{}))::value;
-  cute::Tensor sO = cute::make_tensor(cute::make_smem_ptr(smem_o), SmemLayout{});
+  // Offset-swizzled view (smem_o is 1024-byte aligned): shared-memory loads rather than generic ones.
+  cute::Tensor sO = cute::as_position_independent_swizzle_tensor(cute::make_tensor(cute::make_smem_ptr(smem_o), SmemLayout{}));
   int const rows = min(kRows, seqlen_q_alloc - row0);
   int const vecs = head_dim_v / kElemsPerVec;  // head_dim_v % 8 == 0
   for (int i = tid; i < rows * vecs; i += num_threads) {

@@ -275,7 +275,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
   auto tdQsdQ = [&](int pass) {
-    return smem_thr_dq.partition_D(local_tile(sdQ, Shape<Int<kBlockM>, Int<kdQCols>>{}, make_coord(_0{}, pass)));
+    return smem_thr_dq.partition_D(
+        local_tile(as_position_independent_swizzle_tensor(sdQ), Shape<Int<kBlockM>, Int<kdQCols>>{}, make_coord(_0{}, pass)));
   };
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
@@ -436,8 +437,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
       auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
       auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
-      copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(sP));
-      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS), smem_thr_pds.partition_D(sdS(_, _, 0)));
+      copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sP)));
+      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS),
+           smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sdS(_, _, 0))));
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
@@ -473,12 +475,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor rdK = convert_fragment<Element>(acc_dk);
   Tensor rdV = convert_fragment<Element>(acc_dv);
   cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kEpilogue));  // K/V reads done
+  // Offset-swizzled views (the tiles are 1024-byte aligned): shared-memory stores and loads, not generic.
+  Tensor sK_pi = as_position_independent_swizzle_tensor(sK);
+  Tensor sV_pi = as_position_independent_swizzle_tensor(sV);
   auto smem_copy_dk = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_dk);
   auto smem_thr_dk = smem_copy_dk.get_thread_slice(thread_idx);
-  copy(smem_copy_dk, smem_thr_dk.retile_S(rdK), smem_thr_dk.partition_D(sK));
+  copy(smem_copy_dk, smem_thr_dk.retile_S(rdK), smem_thr_dk.partition_D(sK_pi));
   auto smem_copy_dv = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_dv);
   auto smem_thr_dv = smem_copy_dv.get_thread_slice(thread_idx);
-  copy(smem_copy_dv, smem_thr_dv.retile_S(rdV), smem_thr_dv.partition_D(sV));
+  copy(smem_copy_dv, smem_thr_dv.retile_S(rdV), smem_thr_dv.partition_D(sV_pi));
   cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kEpilogue));
 
   Tensor mdK = make_tensor(make_gmem_ptr(static_cast<Element*>(b.dk) + seq.k_like_offset(p, bidb, b.dk_batch_stride, b.dk_row_stride) +
@@ -490,12 +495,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const rows_k = seq.seqlen_k - n_block * kBlockN;
   typename Traits::GmemTiledCopydK gmem_copy_dk;
   auto gmem_thr_dk = gmem_copy_dk.get_thread_slice(thread_idx);
-  store_tile(gmem_copy_dk, gmem_thr_dk.partition_S(sK),
+  store_tile(gmem_copy_dk, gmem_thr_dk.partition_S(sK_pi),
              gmem_thr_dk.partition_D(local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0))),
              gmem_thr_dk.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})), rows_k, p.head_dim);
   typename Traits::GmemTiledCopydV gmem_copy_dv;
   auto gmem_thr_dv = gmem_copy_dv.get_thread_slice(thread_idx);
-  store_tile(gmem_copy_dv, gmem_thr_dv.partition_S(sV),
+  store_tile(gmem_copy_dv, gmem_thr_dv.partition_S(sV_pi),
              gmem_thr_dv.partition_D(local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0))),
              gmem_thr_dv.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{})), rows_k, p.head_dim_v);
 }

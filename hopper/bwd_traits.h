@@ -104,7 +104,7 @@ struct BwdTraits {
   using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementAccum>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static_assert(kHeadDim % 32 == 0, "the dQ staging swizzle needs head-dim buckets that are multiples of 32");
 
-  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;  // also dK/dV staging
+  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // also dK/dV staging
   using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
   using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;
 

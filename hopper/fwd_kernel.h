@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Element* const stage = ss.smem_q.data() + q_state.index() * kQStageElems;
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
     auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutO{})));
+    copy(smem_copy_o, smem_thr_o.retile_S(rO),
+         smem_thr_o.partition_D(as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutO{}))));
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
 
     int const row0 = m_block * kBlockM + wg * 64;
@@ -319,7 +320,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
       softmax.finalize(out, lse, params.scale_ln);
       Tensor rO = convert_fragment<Element>(tOrO);
-      Tensor sO = make_tensor(make_smem_ptr(ss.smem_q.data() + q_read_state.index() * kQStageElems), typename Traits::SmemLayoutO{});
+      Tensor sO = as_position_independent_swizzle_tensor(
+          make_tensor(make_smem_ptr(ss.smem_q.data() + q_read_state.index() * kQStageElems), typename Traits::SmemLayoutO{}));
       copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
       write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
       cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));

@@ -76,7 +76,8 @@ struct FwdTraits {
   using SmemLayoutOWG = decltype(composition(SmemLayoutO{}, make_layout(Shape<_64, Int<kHeadDimV>>{}, Stride<_1, Int<kBlockM>>{})));
   using TileShapeOWG = Shape<_64, Int<kHeadDimV>>;
 
-  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  // stmatrix: 8x8 16-bit blocks straight from the accumulator fragment (four per instruction).
+  using SmemCopyAtomO = Copy_Atom<SM90_U32x4_STSM_N, Element>;
   // The serial schedule's epilogue: both warpgroups' rows through registers, 16-byte stores.
   static constexpr int kGmemElemsPerVec = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = (kHeadDimV % 64 == 0 ? 64 : 32) / kGmemElemsPerVec;
