@@ -10,20 +10,23 @@
 namespace flashtile {
 
 // `tid` in [0, num_threads): the participating threads (the whole CTA, or the consumer warpgroups).
+// A GQA-packed tile (pack > 1, Hopper forward) covers q_per_tile queries of the `pack` query heads of
+// KV head `bidh` (see BandMask); otherwise q_per_tile == kBlockM queries of head `bidh`.
 template <class Element, int kBlockM>
 CUTE_DEVICE void write_empty_tile(FwdParams const& params, SeqInfo const& seq, int m_block, int bidh, int bidb,
-                                  int tid, int num_threads) {
+                                  int tid, int num_threads, int pack = 1, int q_per_tile = kBlockM) {
   FtFwdParams const& p = params.abi;
-  Element* o_ptr = static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
-  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-  int const row_begin = m_block * kBlockM;
-  int const rows = min(kBlockM, seq.seqlen_q_alloc - row_begin);
+  Element* o_ptr = static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * pack * p.o_head_stride;
+  float* lse_ptr = p.lse + seq.lse_offset(p, bidb) + bidh * pack * p.lse_head_stride;
+  int const q_begin = m_block * q_per_tile;
+  int const rows = min(q_per_tile, seq.seqlen_q_alloc - q_begin) * pack;
   int const vecs_per_row = p.head_dim_v * int(sizeof(Element)) / 16;  // head_dim_v % 8 == 0
   for (int i = tid; i < rows * vecs_per_row; i += num_threads) {
     int const r = i / vecs_per_row, c = i % vecs_per_row;
-    reinterpret_cast<uint4*>(o_ptr + (row_begin + r) * p.o_row_stride)[c] = make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(o_ptr + (q_begin + r / pack) * p.o_row_stride + (r % pack) * p.o_head_stride)[c] =
+        make_uint4(0, 0, 0, 0);
   }
-  for (int r = tid; r < rows; r += num_threads) { lse_ptr[row_begin + r] = -INFINITY; }
+  for (int r = tid; r < rows; r += num_threads) { lse_ptr[(r % pack) * p.lse_head_stride + q_begin + r / pack] = -INFINITY; }
 }
 
 }  // namespace flashtile

@@ -20,6 +20,23 @@ CUTE_DEVICE void write_lse(float* lse_ptr, TensorLse const& lse, TensorC const& 
   }
 }
 
+// GQA-packed tile (Hopper forward): row r of the tile is query q0 + r / pack of head h0 + r % pack;
+// rows at or past rows_used (pack * queries per tile) are padding. lse_ptr: the batch element's LSE
+// of head 0.
+template <class TensorLse, class TensorC>
+CUTE_DEVICE void write_lse_packed(float* lse_ptr, int64_t head_stride, TensorLse const& lse, TensorC const& tOcO,
+                                  int q0, int h0, int pack, int rows_used, SeqInfo const& seq) {
+  if (cute::get<1>(tOcO(0, 0)) != 0) { return; }
+  CUTE_UNROLL
+  for (int mi = 0; mi < cute::size(lse); ++mi) {
+    int const r = cute::get<0>(tOcO(mi, 0));
+    int const q = q0 + r / pack;
+    if (r < rows_used && q < seq.seqlen_q_alloc) {
+      lse_ptr[(h0 + r % pack) * head_stride + q] = q < seq.seqlen_q ? lse(mi) : -INFINITY;
+    }
+  }
+}
+
 // Predicated register -> global store of a tile: tR/tD/tC are a 16-byte-vector tiled copy's
 // (CPY, CPY_M, CPY_K) partitions of the tile in registers, in global memory and of its identity
 // coordinates; only rows < max_row and column groups < max_col are written.
@@ -99,6 +116,26 @@ CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, Tens
   cute::Tensor tR = cute::make_fragment_like(tS);
   cute::copy(tiled_copy, tS, tR);
   store_rows(tiled_copy, tR, tD, tC, max_row, max_col);
+}
+
+// Rows [r0, r0 + kRows) of a GQA-packed O tile staged in shared memory (see write_lse_packed) to
+// global memory (o_ptr: row 0 of the batch element, head 0) in 16-byte vectors by `tid` of
+// `num_threads` threads, with the same row rules as store_o_rows_from_smem.
+template <class SmemLayout, class Element>
+CUTE_DEVICE void store_o_rows_packed(Element const* smem_o, Element* o_ptr, int64_t row_stride, int64_t head_stride,
+                                     int r0, int q0, int h0, int pack, int rows_used, int seqlen_q,
+                                     int seqlen_q_alloc, int head_dim_v, int tid, int num_threads) {
+  constexpr int kElemsPerVec = 16 / int(sizeof(Element));
+  constexpr int kRows = decltype(cute::size<0>(SmemLayout{}))::value;
+  cute::Tensor sO = cute::as_position_independent_swizzle_tensor(cute::make_tensor(cute::make_smem_ptr(smem_o), SmemLayout{}));
+  int const vecs = head_dim_v / kElemsPerVec;
+  for (int i = tid; i < kRows * vecs; i += num_threads) {
+    int const r = i / vecs, c = (i - r * vecs) * kElemsPerVec;
+    int const q = q0 + (r0 + r) / pack;
+    if (r0 + r >= rows_used || q >= seqlen_q_alloc) { continue; }
+    uint4 const v = q < seqlen_q ? *reinterpret_cast<uint4 const*>(&sO(r, c)) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(o_ptr + q * row_stride + (h0 + (r0 + r) % pack) * head_stride + c) = v;
+  }
 }
 
 }  // namespace flashtile

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 4
+#define FT_ABI_VERSION 5
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -80,6 +80,9 @@ typedef struct FtFwdParams {
   int32_t dtype;  // FtDtype
   int32_t path;   // FtPath
   int32_t device;  // CUDA device ordinal of every tensor above
+  // GQA packing of the Hopper forward (the query heads of a group in one tile): 0 = heuristic,
+  // 1 = on where the group fits a tile, -1 = off. Other kernels ignore it.
+  int32_t pack_gqa;
 } FtFwdParams;
 
 // Backward pass arguments. `fwd` describes the forward call exactly as it was made (q, k, v, its output

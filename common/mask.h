@@ -12,6 +12,10 @@ namespace flashtile {
 struct BandMask {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // negative = unbounded; causal has window_right == 0
+  // GQA packing (Hopper forward): row r of a tile holds query r / pack of query head r % pack of the
+  // group; a tile spans q_per_tile queries. pack == 1: row r is query r.
+  int pack = 1;
+  int q_per_tile = 0;
 
   // Whether KV block n_block, seen from query block m_block, has any element the mask removes.
   CUTE_DEVICE bool block_needs_mask(bool is_band, int m_block, int n_block, int block_m,
@@ -35,6 +39,25 @@ struct BandMask {
     for (int i = 0; i < cute::size(tSrS); ++i) {
       int const row = row0 + cute::get<kTransposed ? 1 : 0>(tScS(i));
       int const col = col0 + cute::get<kTransposed ? 0 : 1>(tScS(i));
+      bool masked = col >= seqlen_k;
+      if constexpr (kIsBand) {
+        masked |= window_right >= 0 && col > row + offset + window_right;
+        masked |= window_left >= 0 && col < row + offset - window_left;
+      }
+      if (masked) { tSrS(i) = -INFINITY; }
+    }
+  }
+
+  // apply() for a GQA-packed tile: q0 is the tile's first query; a thread's fragment covers few
+  // distinct rows, so the divisions by `pack` are shared between its elements.
+  template <bool kIsBand, class EngineS, class LayoutS, class EngineC, class LayoutC>
+  CUTE_DEVICE void apply_packed(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
+                                int q0, int col0) const {
+    int const offset = seqlen_k - seqlen_q;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(tSrS); ++i) {
+      int const row = q0 + cute::get<0>(tScS(i)) / pack;
+      int const col = col0 + cute::get<1>(tScS(i));
       bool masked = col >= seqlen_k;
       if constexpr (kIsBand) {
         masked |= window_right >= 0 && col > row + offset + window_right;

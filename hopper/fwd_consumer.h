@@ -59,8 +59,12 @@ CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask con
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = tanhf(tSrS(i) * softcap_scale); }
   }
-  if (mask.block_needs_mask(kIsBand, m_block, n_block, Traits::kBlockM, Traits::kBlockN)) {
-    mask.template apply<kIsBand>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
+  if (mask.pack == 1) {
+    if (mask.block_needs_mask(kIsBand, m_block, n_block, Traits::kBlockM, Traits::kBlockN)) {
+      mask.template apply<kIsBand>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
+    }
+  } else if (mask.block_needs_mask(kIsBand, m_block, n_block, mask.q_per_tile, Traits::kBlockN)) {
+    mask.template apply_packed<kIsBand>(tSrS, tScS, m_block * mask.q_per_tile, n_block * Traits::kBlockN);
   }
 }
 

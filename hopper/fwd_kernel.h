@@ -59,6 +59,13 @@ struct FwdKernelParams {
   FwdParams fwd;
   int num_m_blocks;
   int heads_per_section;
+  // GQA packing: pack > 1 puts the `pack` query heads of a KV head into one tile (row r: query
+  // r / pack of head r % pack), a tile spans q_per_tile queries, and the scheduler's heads are KV
+  // heads. Q then loads through tma_q_packed; O and the LSE leave through per-row stores.
+  int pack;
+  int q_per_tile;
+  uint32_t tma_bytes_q;  // transaction bytes of one Q tile
+  CUtensorMap tma_q_packed;  // q as (d, pack, rows, KV heads, batch), box (swizzle atom columns, pack, q_per_tile, 1, 1)
   ShapeQKV shape_q, shape_k, shape_v;
   TmaQ tma_q;
   TmaK tma_k;
@@ -75,15 +82,29 @@ struct TileWork {
   bool in_range, active;
 };
 
+// q_per_tile: queries per tile (block_m, or fewer under GQA packing).
 template <class Traits, bool kIsBand>
-CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c) {
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile) {
   SeqInfo const seq(params.abi, c.bidb);
-  TileWork w{c, seq, 0, 0, c.m_block * Traits::kBlockM < seq.seqlen_q_alloc, false};
+  TileWork w{c, seq, 0, 0, c.m_block * q_per_tile < seq.seqlen_q_alloc, false};
   if (w.in_range) {
-    kv_block_range<kIsBand>(params.abi, seq, c.m_block, Traits::kBlockM, Traits::kBlockN, w.n_block_min, w.n_block_max);
-    w.active = c.m_block * Traits::kBlockM < seq.seqlen_q && w.n_block_max > w.n_block_min;
+    kv_block_range<kIsBand>(params.abi, seq, c.m_block, q_per_tile, Traits::kBlockN, w.n_block_min, w.n_block_max);
+    w.active = c.m_block * q_per_tile < seq.seqlen_q && w.n_block_max > w.n_block_min;
   }
   return w;
+}
+
+// Q of a GQA-packed tile: one 5-d TMA load per swizzle-atom column chunk of the head dim, each
+// filling rows [0, pack * q_per_tile) of its chunk (the chunks of SmemLayoutQ are block_m rows apart).
+template <class Traits>
+CUTE_DEVICE void load_q_packed(CUtensorMap const& desc, uint64_t* barrier, typename Traits::Element* smem_stage,
+                               int q_row, int bidh_k, int bidb) {
+  constexpr int kChunk = Traits::kQChunkCols;
+  CUTE_UNROLL
+  for (int c = 0; c < Traits::kHeadDim / kChunk; ++c) {
+    SM90_TMA_LOAD_5D::copy(&desc, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                           smem_stage + c * Traits::kBlockM * kChunk, c * kChunk, 0, q_row, bidh_k, bidb);
+  }
 }
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
@@ -96,7 +117,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDimV = Traits::kHeadDimV;
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
+                                     kp.heads_per_section, p.tile_counter};
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -109,7 +131,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   bool const lane_predicate = cute::elect_one_sync();
   if (warp_idx == 0 && lane_predicate) {
-    cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(kp.pack > 1 ? &kp.tma_q_packed : kp.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
   }
@@ -123,7 +145,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                            : Traits::PipelineQ::ThreadCategory::Consumer;
   pipe_params_q.is_leader = pipe_params.is_leader;
   pipe_params_q.num_consumers = Traits::kNMmaThreads;
-  pipe_params_q.transaction_bytes = Traits::kTmaBytesQ;
+  pipe_params_q.transaction_bytes = kp.tma_bytes_q;
   typename Traits::PipelineQ pipeline_q(ss.pipeline_q, pipe_params_q, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Traits::kTmaBytesK;
   MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
@@ -144,7 +166,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
     auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
     auto produce_tile = [&](TileWork const& w) {
-      int const bidh_k = w.coord.bidh / params.h_h_k_ratio;
+      int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
       Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
                              select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
       Tensor gK = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mK(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
@@ -163,7 +185,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       pipeline_q.producer_acquire(q_write_state);
       if (lane_predicate) {
-        copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0), tQgQ, tQsQ(_, q_write_state.index()));
+        if (kp.pack > 1) {
+          load_q_packed<Traits>(kp.tma_q_packed, pipeline_q.producer_get_barrier(q_write_state),
+                                ss.smem_q.data() + q_write_state.index() * (cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages),
+                                int(w.seq.q_row0) + w.coord.m_block * kp.q_per_tile, bidh_k, p.cu_seqlens_q ? 0 : w.coord.bidb);
+        } else {
+          copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0), tQgQ, tQsQ(_, q_write_state.index()));
+        }
       }
       ++q_write_state;
       pipeline_v.producer_acquire(write_state);
@@ -190,7 +218,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // The next index is fetched first so the atomic's latency hides behind this tile's loads.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(); }
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx));
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx), kp.q_per_tile);
       if (w.active) { produce_tile(w); }
       idx = __shfl_sync(0xffffffff, next, leader_lane);
       handoff.producer_publish(handoff_state, idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone, lane_predicate);
@@ -224,11 +252,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.
   auto next_work = [&](TileCoord coord, TileWork& w) {
     for (; coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      w = make_tile_work<Traits, kIsBand>(params, coord);
+      w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
       if (!w.in_range) { continue; }
       if (w.active) { return true; }
       write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
-                                         Traits::kNMmaThreads);
+                                         Traits::kNMmaThreads, kp.pack, kp.q_per_tile);
     }
     return false;
   };
@@ -257,11 +285,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
     copy(smem_copy_o, smem_thr_o.retile_S(rO),
          smem_thr_o.partition_D(as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutO{}))));
+    int const wg_offset = typename Traits::SmemLayoutO{}(wg * 64, 0);  // this warpgroup's first row
+    int const barrier = int(FwdNamedBarrier::kEpilogue1) + wg;
+    if (kp.pack > 1) {
+      int const q0 = m_block * kp.q_per_tile, h0 = bidh * kp.pack, rows_used = kp.pack * kp.q_per_tile;
+      write_lse_packed(p.lse + seq.lse_offset(p, bidb), p.lse_head_stride, lse, tOcO, q0, h0, kp.pack, rows_used, seq);
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      store_o_rows_packed<typename Traits::SmemLayoutOWG>(
+          stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb), p.o_row_stride, p.o_head_stride,
+          wg * 64, q0, h0, kp.pack, rows_used, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
+      pipeline_q.consumer_release(q_state);
+      return;
+    }
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
 
     int const row0 = m_block * kBlockM + wg * 64;
-    int const wg_offset = typename Traits::SmemLayoutO{}(wg * 64, 0);  // this warpgroup's first row
-    int const barrier = int(FwdNamedBarrier::kEpilogue1) + wg;
     if (row0 + 64 <= seq.seqlen_q) {
       cutlass::arch::fence_view_async_shared();  // the stores above, before the TMA unit reads them
       cutlass::arch::NamedBarrier::sync(128, barrier);
@@ -287,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
 
   auto make_mask = [&](TileWork const& w) {
-    return BandMask{w.seq.seqlen_q, w.seq.seqlen_k, p.window_left, p.window_right};
+    return BandMask{w.seq.seqlen_q, w.seq.seqlen_k, p.window_left, p.window_right, kp.pack, kp.q_per_tile};
   };
   if constexpr (!Traits::kIntraWGOverlap) {
     // Serial schedule (d > 128, every consumer register taken): both warpgroups meet, read O back and
@@ -300,11 +338,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     // `continue` also goes through the hand-off (the loop's increment).
     for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord);
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
       if (!w.in_range) { continue; }
       if (!w.active) {
         write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
-                                           Traits::kNMmaThreads);
+                                           Traits::kNMmaThreads, kp.pack, kp.q_per_tile);
         continue;
       }
       Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
@@ -323,6 +361,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor sO = as_position_independent_swizzle_tensor(
           make_tensor(make_smem_ptr(ss.smem_q.data() + q_read_state.index() * kQStageElems), typename Traits::SmemLayoutO{}));
       copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+      if (kp.pack > 1) {
+        int const q0 = m_block * kp.q_per_tile, h0 = bidh * kp.pack, rows_used = kp.pack * kp.q_per_tile;
+        write_lse_packed(p.lse + seq.lse_offset(p, bidb), p.lse_head_stride, lse, tOcO, q0, h0, kp.pack, rows_used, seq);
+        cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
+        store_o_rows_packed<typename Traits::SmemLayoutO>(
+            ss.smem_q.data() + q_read_state.index() * kQStageElems, static_cast<Element*>(p.out) + seq.o_offset(p, bidb),
+            p.o_row_stride, p.o_head_stride, 0, q0, h0, kp.pack, rows_used, seq.seqlen_q, seq.seqlen_q_alloc,
+            p.head_dim_v, thread_idx, Traits::kNMmaThreads);
+        pipeline_q.consumer_release(q_read_state);
+        ++q_read_state;
+        continue;
+      }
       write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
       cutlass::arch::NamedBarrier::sync(Traits::kNMmaThreads, int(FwdNamedBarrier::kEpilogue));
       Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -11,6 +13,49 @@
 #include "hopper/fwd_kernel.h"
 
 namespace flashtile::hopper {
+
+// Whether to pack the query heads of a GQA group into one tile: pack_gqa 1 / -1 forces it on / off
+// (packing needs group <= block_m), 0 packs where the packed tiles are fuller: a tile of block_m rows holds
+// block_m / group queries of every head of the group, so short query sequences (decode, short
+// prefill) fill whole tiles and load each K/V block once per group rather than once per head.
+// Returns the packing factor (the group size) or 1.
+inline int fwd_pack_gqa(FtFwdParams const& p, int block_m) {
+  int const group = p.num_heads / p.num_heads_k;
+  if (group <= 1 || group > block_m || p.pack_gqa < 0) { return 1; }
+  if (p.pack_gqa > 0) { return group; }
+  int const q_per_tile = block_m / group;
+  int64_t const sq = p.seqlen_q;
+  double const fill_unpacked = double(sq) / double((sq + block_m - 1) / block_m * block_m);
+  double const fill_packed = double(sq * group) / double((sq + q_per_tile - 1) / q_per_tile * block_m);
+  return fill_unpacked < 0.9 * fill_packed ? group : 1;
+}
+
+// The 5-d TMA descriptor of GQA-packed Q tiles: q as (d, pack, rows, KV heads, batch) with byte
+// strides (head, row, pack * head, batch), box (swizzle atom columns, pack, q_per_tile, 1, 1) and the
+// swizzle of SmemLayoutQ, so each load fills one column chunk of the tile exactly as the unpacked
+// load would, row r holding query r / pack of head r % pack.
+template <class Traits>
+LaunchStatus encode_q_packed(FtFwdParams const& p, int pack, int q_per_tile, CUtensorMap& desc) {
+  using Element = typename Traits::Element;
+  constexpr int kChunk = Traits::kQChunkCols;
+  constexpr int64_t kBytes = sizeof(Element);
+  cuuint64_t const dims[5] = {cuuint64_t(p.head_dim), cuuint64_t(pack), cuuint64_t(p.rows_q), cuuint64_t(p.num_heads_k),
+                              cuuint64_t(p.cu_seqlens_q ? 1 : p.batch)};
+  cuuint64_t const strides[4] = {cuuint64_t(p.q_head_stride * kBytes), cuuint64_t(p.q_row_stride * kBytes),
+                                 cuuint64_t(p.q_head_stride * pack * kBytes),
+                                 cuuint64_t((p.cu_seqlens_q ? p.q_row_stride * p.rows_q : p.q_batch_stride) * kBytes)};
+  cuuint32_t const box[5] = {cuuint32_t(kChunk), cuuint32_t(pack), cuuint32_t(q_per_tile), 1, 1};
+  cuuint32_t const elem_strides[5] = {1, 1, 1, 1, 1};
+  CUtensorMapSwizzle const swizzle = kChunk * kBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : kChunk * kBytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                             : CU_TENSOR_MAP_SWIZZLE_32B;
+  CUresult const r = cuTensorMapEncodeTiled(
+      &desc, std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      5, const_cast<void*>(p.q), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) { return {kFtCudaError, "cuTensorMapEncodeTiled (GQA-packed q) failed: " + std::to_string(int(r))}; }
+  return {};
+}
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
@@ -45,7 +90,16 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
                            make_gmem_tensor(static_cast<Element*>(p.out), kp.shape_o, p.o_row_stride, p.o_head_stride, p.o_batch_stride),
                            typename Traits::SmemLayoutOWG{}, typename Traits::TileShapeOWG{}, _1{});
 
-  kp.num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  // GQA packing (see FwdKernelParams::pack).
+  kp.pack = fwd_pack_gqa(p, Traits::kBlockM);
+  kp.q_per_tile = Traits::kBlockM / kp.pack;
+  kp.tma_bytes_q = Traits::kTmaBytesQ;
+  int const sched_heads = kp.pack > 1 ? p.num_heads_k : p.num_heads;
+  if (kp.pack > 1) {
+    kp.tma_bytes_q = uint32_t(kp.pack * kp.q_per_tile * kHeadDim * sizeof(Element));
+    if (LaunchStatus s = encode_q_packed<Traits>(p, kp.pack, kp.q_per_tile, kp.tma_q_packed); !s.ok()) { return s; }
+  }
+  kp.num_m_blocks = (p.seqlen_q + kp.q_per_tile - 1) / kp.q_per_tile;
   DeviceAttrs attrs;
   if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
   int const num_sms = attrs.num_sms;
@@ -56,9 +110,9 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   // than Q + K + V); 16 MB measured +12% at d 128 causal 512 and +8% at d 64 causal 1k, but -2% at 16k.
   int64_t const l2_section_bytes = (p.seqlen_k <= 1024 ? 16ll : 32ll) << 20;
   int64_t const kv_bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element));
-  int64_t const section = l2_section_bytes / std::max<int64_t>(kv_bytes, 1) * params.h_h_k_ratio;
-  kp.heads_per_section = int(std::clamp<int64_t>(section, 1, int64_t(p.num_heads) * p.batch));
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, p.num_heads, p.batch, kp.heads_per_section, p.tile_counter};
+  int64_t const section = l2_section_bytes / std::max<int64_t>(kv_bytes, 1) * (kp.pack > 1 ? 1 : params.h_h_k_ratio);
+  kp.heads_per_section = int(std::clamp<int64_t>(section, 1, int64_t(sched_heads) * p.batch));
+  TileScheduler<kIsBand> const sched{kp.num_m_blocks, sched_heads, p.batch, kp.heads_per_section, p.tile_counter};
   if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
     return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
   }

@@ -103,6 +103,8 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemLimitBytes);
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  // Columns of one swizzle atom of Q (SmemAtomKMajor): the width of a GQA-packed Q load's box.
+  static constexpr int kQChunkCols = kHeadDim % 64 == 0 ? 64 : kHeadDim % 32 == 0 ? 32 : 16;
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 };

@@ -44,22 +44,25 @@ _validated: dict = {}
 _VALIDATED_MAX = 1024
 
 
-def _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic):
+def _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic, pack_gqa):
     try:
         return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
                 v.stride(), v.dtype, v.device, softmax_scale, bool(causal), tuple(window_size), float(softcap),
-                path, bool(deterministic))
+                path, bool(deterministic), pack_gqa)
     except (AttributeError, TypeError, ValueError):
         return None  # not tensors / odd arguments: the full checks report them
 
 
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_size, softcap, descales, path, deterministic=False):
+             softmax_scale, causal, window_size, softcap, descales, path, deterministic=False, pack_gqa=None):
     """Shared validation + dispatch for the padded and packed layouts."""
     key = None
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        V._fail("pack_gqa", f"must be None (heuristic), True or False, got {pack_gqa!r}")
+    pack = 0 if pack_gqa is None else (1 if pack_gqa else -1)
     if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None
             and descales == (None, None, None) and _eager(q, k, v)):
-        key = _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic)
+        key = _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic, pack)
         args = _validated.get(key) if key is not None else None
         if args is not None:
             return _fwd_op(q, k, v, None, None, None, None, *args)
@@ -114,7 +117,7 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         # Reads build_config.json: not traceable; under torch.compile the op itself reports a missing kernel.
         require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
     args = (int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id,
-            bool(deterministic))
+            bool(deterministic), pack)
     if key is not None:
         if len(_validated) >= _VALIDATED_MAX:
             _validated.clear()
@@ -137,7 +140,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     out, lse = _forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, descales=(q_descale, k_descale, v_descale),
-                        path=path, deterministic=deterministic)
+                        path=path, deterministic=deterministic, pack_gqa=pack_gqa)
     return (out, lse) if return_attn_probs else out
 
 
@@ -158,7 +161,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse = _forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=deterministic)
+                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=deterministic,
+                        pack_gqa=pack_gqa)
     return (out, lse) if return_attn_probs else out
 
 
@@ -217,7 +221,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     out, lse = _forward(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqused_q=None,
                         seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=None,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=False)
+                        descales=(q_descale, k_descale, v_descale), path=path, deterministic=False,
+                        pack_gqa=pack_gqa)
     return (out, lse) if return_softmax_lse else out
 
 

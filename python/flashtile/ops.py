@@ -56,7 +56,7 @@ def _batch(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
 
 def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                     path) -> None:
+                     path, pack_gqa=0) -> None:
     """The forward call's description (FtFwdParams), shared by the forward and the backward op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validate.check_data_alignment(name, t)
@@ -77,6 +77,7 @@ def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_se
     p.softmax_scale, p.softcap = softmax_scale, softcap
     p.window_left, p.window_right, p.is_causal = window_left, window_right, int(causal)
     p.dtype, p.path, p.device = _DTYPES[q.dtype], path, q.get_device()  # CUDA ordinal
+    p.pack_gqa = pack_gqa
 
 
 # Padded-layout FtFwdParams by call metadata: everything but the data pointers, which are filled per
@@ -86,15 +87,15 @@ _FWD_TEMPLATES_MAX = 1024
 
 
 def _padded_fwd_params(q, k, v, out, lse, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, path) -> _lib.FtFwdParams:
+                       window_right, softcap, path, pack_gqa=0) -> _lib.FtFwdParams:
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), lse.stride(),
            q.dtype, q.get_device(), max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-           softcap, path)
+           softcap, path, pack_gqa)
     template = _fwd_templates.get(key)
     if template is None:
         template = _lib.FtFwdParams()
         _fill_fwd_params(template, q, k, v, out, lse, None, None, None, None, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, window_left, window_right, softcap, path)
+                         softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
         if len(_fwd_templates) >= _FWD_TEMPLATES_MAX:
             _fwd_templates.clear()
         _fwd_templates[key] = template
@@ -128,7 +129,7 @@ def _launch(entry: str, params: ctypes.Structure, device: torch.device, what: st
 # ---- forward -----------------------------------------------------------------------------------------
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, path):
+              softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa=0):
     varlen = cu_seqlens_q is not None
     out_shape, lse_shape = _out_shapes(q, v, varlen)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -143,10 +144,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
     if varlen or cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None:
         p = _lib.FtFwdParams()
         _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path)
+                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
     else:
         p = _padded_fwd_params(q, k, v, out, lse, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                               window_right, softcap, path)
+                               window_right, softcap, path, pack_gqa)
     # The tile scheduler's counter (cleared by the launch), from torch's allocator so that concurrent
     # calls and CUDA graphs each get their own.
     tile_counter = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -161,16 +162,17 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, path: int,
-        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        deterministic: bool = False, pack_gqa: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (out, lse). `deterministic` is not used by the forward (which is always
-    deterministic); it selects the deterministic backward pass of this call."""
+    deterministic); it selects the deterministic backward pass of this call. pack_gqa: FtFwdParams's
+    (0 heuristic, 1 pack the query heads of a GQA group into one tile, -1 never)."""
     return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, window_left, window_right, softcap, path)
+                     softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, path, deterministic=False):
+              softmax_scale, causal, window_left, window_right, softcap, path, deterministic=False, pack_gqa=0):
     out_shape, lse_shape = _out_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -270,12 +272,12 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
 
 # ---- autograd ----------------------------------------------------------------------------------------
 
-_FWD_NUM_INPUTS = 16  # arguments of flashtile::fwd; autograd wants one gradient (or None) for each
+_FWD_NUM_INPUTS = 17  # arguments of flashtile::fwd; autograd wants one gradient (or None) for each
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, path, deterministic) = inputs
+     window_left, window_right, softcap, path, deterministic, pack_gqa) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap)
@@ -319,7 +321,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _fwd_impl(*inputs[:-1])  # the last input (deterministic) only matters to the backward
+        output = _fwd_impl(*inputs[:-2], inputs[-1])  # deterministic only matters to the backward
         _fwd_setup_context(ctx, inputs, output)
         return output
 
@@ -335,4 +337,4 @@ def attention(q, k, v, *args):
         return fwd(q, k, v, *args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, *args)
-    return _fwd_impl(q, k, v, *args[:-1])
+    return _fwd_impl(q, k, v, *args[:-2], args[-1])

@@ -49,11 +49,13 @@ def test_schema():
         ("seqused_q", "Optional[Tensor]"), ("seqused_k", "Optional[Tensor]"),
         ("max_seqlen_q", "int"), ("max_seqlen_k", "int"), ("softmax_scale", "float"), ("causal", "bool"),
         ("window_left", "int"), ("window_right", "int"), ("softcap", "float"), ("path", "int"),
-        ("deterministic", "bool"),
+        ("deterministic", "bool"), ("pack_gqa", "int"),
     ]
-    # deterministic (used by the backward only) defaults to False, so a graph that omits it stays valid.
-    assert schema.arguments[-1].default_value is False
-    assert all(a.default_value is None for a in schema.arguments[:-1])
+    # deterministic (used by the backward only) and pack_gqa (0: heuristic) have defaults, so a graph
+    # that omits them stays valid.
+    assert schema.arguments[-2].default_value is False
+    assert schema.arguments[-1].default_value == 0
+    assert all(a.default_value is None for a in schema.arguments[:-2])
     assert [str(r.type) for r in schema.returns] == ["Tensor", "Tensor"]
     # A functional op: no input is mutated or aliased by an output.
     assert not schema.is_mutable
@@ -359,16 +361,17 @@ def test_api_padded_under_fake_mode(fake_cuda, recorded):
         out, lse = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         assert out.shape == (2, 5, 6, 128) and out.dtype == BF16 and out.device.type == "cuda"
         assert lse.shape == (2, 6, 5) and lse.dtype == torch.float32
-        out = flashtile.flash_attn_func(q, k, v, window_size=(3, -1), softcap=30.0, softmax_scale=0.5, path="ampere")
+        out = flashtile.flash_attn_func(q, k, v, window_size=(3, -1), softcap=30.0, softmax_scale=0.5, path="ampere",
+                                        pack_gqa=True)
         assert out.shape == (2, 5, 6, 128)
     req1, req2 = recorded["require"]
     assert req1 == dict(op="fwd", dtype="bf16", head_dim=192, head_dim_v=128, band=True, softcap=False, path="auto")
     assert req2 == dict(op="fwd", dtype="bf16", head_dim=192, head_dim_v=128, band=True, softcap=True, path="ampere")
     a1, a2 = recorded["op"]
     # (..., max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path,
-    #  deterministic)
-    assert a1[7:] == (5, 7, pytest.approx(192 ** -0.5), True, -1, 0, 0.0, _lib.PATHS["auto"], False)
-    assert a2[7:] == (5, 7, 0.5, False, 3, -1, 30.0, _lib.PATHS["ampere"], False)
+    #  deterministic, pack_gqa (0 heuristic, 1 on, -1 off))
+    assert a1[7:] == (5, 7, pytest.approx(192 ** -0.5), True, -1, 0, 0.0, _lib.PATHS["auto"], False, 0)
+    assert a2[7:] == (5, 7, 0.5, False, 3, -1, 30.0, _lib.PATHS["ampere"], False, 1)
 
 
 @pytest.mark.parametrize("window, causal, band", [((-1, -1), False, False), ((-1, -1), True, True),

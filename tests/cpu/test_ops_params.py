@@ -107,7 +107,16 @@ def test_fwd_params_padded(lib):
     assert (p.softmax_scale, p.softcap) == (pytest.approx(0.3), 5.0)
     assert (p.window_left, p.window_right, p.is_causal) == (8, 0, 1)
     assert (p.dtype, p.path, p.device) == (_lib.DTYPE_BF16, _lib.PATHS["ampere"], -1)  # CPU: no device index
+    assert p.pack_gqa == 0  # heuristic
     assert out.shape == (3, 17, 6, 128) and lse.shape == (3, 6, 17)
+
+
+@pytest.mark.parametrize("pack", [1, -1])
+def test_fwd_params_pack_gqa(lib, pack):
+    q, k, v = _rand(2, 5, 8, 64), _rand(2, 40, 2, 64), _rand(2, 40, 2, 64)
+    ops._fwd_impl(*_fwd_args(q, k, v), pack)
+    ((p, _),) = lib.fwd_calls
+    assert p.pack_gqa == pack
 
 
 def _struct_fields(p):

@@ -299,12 +299,19 @@ VALID = [
     ("fp16", dict(dtype=torch.float16)),
     ("path-ampere", dict(path="ampere")),
     ("path-hopper", dict(path="hopper")),
-    ("fa3-no-op-args", dict(num_splits=1, pack_gqa=True, deterministic=True, sm_margin=4, return_attn_probs=True)),
+    ("fa3-args", dict(num_splits=1, pack_gqa=True, deterministic=True, sm_margin=4, return_attn_probs=True)),
+    ("pack-gqa-off", dict(h=8, hk=2, pack_gqa=False)),
     ("num-splits-0", dict(num_splits=0)),
     ("attention-chunk-0", dict(attention_chunk=0)),
     ("seqlen-1", dict(sq=1, sk=1)),
     ("empty-k", dict(sk=0)),
 ]
+
+
+@pytest.mark.parametrize("pack_gqa", [1, "yes", 0.0])
+def test_pack_gqa_must_be_none_or_bool(pack_gqa):
+    with pytest.raises(ValueError, match="pack_gqa"):
+        padded(h=8, hk=2, pack_gqa=pack_gqa)
 
 
 @pytest.mark.parametrize("kw", [c[1] for c in VALID], ids=[c[0] for c in VALID])

@@ -172,6 +172,45 @@ def test_fwd(dtype, hdim, path, causal, layout, seqlens, seed):
         assert torch.isfinite(lse[:, :, sq - sk:]).all()
 
 
+# GQA packing (Hopper forward): the query heads of a group share one tile; groups that divide the tile
+# (4, 16) and that do not (6, 7: the last rows of each tile are padding), forced on and off.
+PACK_SEQLENS = [(1, 4096), (113, 203), (239, 1), (799, 3), (1023, 1024)]
+PACK_HEADS = {"g4-b2": (2, 8, 2), "g6-b1": (1, 12, 2), "g7-b1": (1, 7, 1), "g16-b1": (1, 16, 1)}
+
+
+@pytest.mark.parametrize("seqlens", PACK_SEQLENS, ids=[f"{a}x{b}" for a, b in PACK_SEQLENS])
+@pytest.mark.parametrize("heads", list(PACK_HEADS))
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+@pytest.mark.parametrize("pack", [True, False], ids=["pack", "nopack"])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_pack_gqa(dtype, hdim, pack, mask, heads, seqlens, seed):
+    d, dv = hdim
+    causal, window = mask == "causal", (40, 7) if mask == "local" else (-1, -1)
+    require_built(dtype, d, dv, band=mask != "full")
+    b, h, hk = PACK_HEADS[heads]
+    sq, sk = seqlens
+    q, k, v = random_qkv(b, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    poison_allocator(_out_bytes(q, dv))
+    out, lse = flash_attn_func(q, k, v, causal=causal, window_size=window, pack_gqa=pack, return_attn_probs=True)
+    _check("packed out" if pack else "out", out, lse, _refs(q, k, v, causal=causal, window_size=window))
+
+
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_pack_gqa_varlen(dtype, hdim, seed):
+    d, dv = hdim
+    require_built(dtype, d, dv, band=True)
+    lens_q, lens_k = [1, 0, 37, 130, 5], [300, 9, 37, 200, 0]
+    q, k, v = _packed(lens_q, lens_k, 8, 2, d, dv, DTYPES[dtype], seed)
+    cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
+    poison_allocator(_out_bytes(q, dv))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, pack_gqa=True,
+                                      return_attn_probs=True)
+    refs = _per_sequence_ref(q, k, v, lens_q, lens_k, causal=True, window_size=(-1, -1))
+    _check("packed varlen out", out, lse, refs, varlen=True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fwd_long_sequence(dtype, causal, seed):
