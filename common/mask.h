@@ -17,6 +17,8 @@ struct BandMask {
   int pack = 1;
   int q_per_tile = 0;
 
+  static constexpr int kUnbounded = 1 << 29;  // a window edge beyond any sequence (no overflow when offset)
+
   // Whether KV block n_block, seen from query block m_block, has any element the mask removes.
   CUTE_DEVICE bool block_needs_mask(bool is_band, int m_block, int n_block, int block_m,
                                     int block_n) const {
@@ -31,20 +33,42 @@ struct BandMask {
   }
 
   // kTransposed: the tile is S^T, so tScS(i) is (key, query) rather than (query, key).
+  // Register-lean form: with the thread's base coordinate in registers and each element's offset
+  // (r, c) a compile-time constant, an element is masked iff c >= min(col_end, hi + r + 1) (right
+  // edge: sequence end and window_right) or c - r < lo (window_left). The limit depends on r only,
+  // so a thread computes one per distinct row and spends a compare and a select per element.
   template <bool kIsBand, bool kTransposed = false, class EngineS, class LayoutS, class EngineC, class LayoutC>
   CUTE_DEVICE void apply(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
                          int row0, int col0) const {
-    int const offset = seqlen_k - seqlen_q;
-    CUTE_UNROLL
-    for (int i = 0; i < cute::size(tSrS); ++i) {
-      int const row = row0 + cute::get<kTransposed ? 1 : 0>(tScS(i));
-      int const col = col0 + cute::get<kTransposed ? 0 : 1>(tScS(i));
-      bool masked = col >= seqlen_k;
-      if constexpr (kIsBand) {
-        masked |= window_right >= 0 && col > row + offset + window_right;
-        masked |= window_left >= 0 && col < row + offset - window_left;
+    constexpr int kR = kTransposed ? 1 : 0, kC = kTransposed ? 0 : 1;
+    auto const base = *tScS.data();
+    int const col_t = col0 + cute::get<kC>(base);
+    int const col_end = seqlen_k - col_t;  // masked: c >= col_end
+    if constexpr (!kIsBand) {
+      CUTE_UNROLL
+      for (int i = 0; i < cute::size(tSrS); ++i) {
+        if (int(cute::get<kC>(tScS.layout()(i))) >= col_end) { tSrS(i) = -INFINITY; }
       }
-      if (masked) { tSrS(i) = -INFINITY; }
+    } else {
+      // col - row - (seqlen_k - seqlen_q) = diag + (c - r) for the element at offset (r, c).
+      int const diag = col_t - (row0 + cute::get<kR>(base)) - (seqlen_k - seqlen_q);
+      int const hi = window_right >= 0 ? window_right - diag : kUnbounded;  // masked: c - r > hi
+      if (window_left < 0) {
+        CUTE_UNROLL
+        for (int i = 0; i < cute::size(tSrS); ++i) {
+          auto const off = tScS.layout()(i);
+          int const r = cute::get<kR>(off), c = cute::get<kC>(off);
+          if (c >= min(col_end, hi + r + 1)) { tSrS(i) = -INFINITY; }
+        }
+      } else {
+        int const lo = -window_left - diag;  // masked: c - r < lo
+        CUTE_UNROLL
+        for (int i = 0; i < cute::size(tSrS); ++i) {
+          auto const off = tScS.layout()(i);
+          int const r = cute::get<kR>(off), c = cute::get<kC>(off);
+          if (c >= min(col_end, hi + r + 1) || c < lo + r) { tSrS(i) = -INFINITY; }
+        }
+      }
     }
   }
 
