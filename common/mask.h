@@ -72,22 +72,27 @@ struct BandMask {
     }
   }
 
-  // apply() for a GQA-packed tile: q0 is the tile's first query; a thread's fragment covers few
-  // distinct rows, so the divisions by `pack` are shared between its elements.
+  // apply() for a GQA-packed tile (row r is query q0 + r / pack): the same per-row limits, one
+  // division per distinct row of the thread.
   template <bool kIsBand, class EngineS, class LayoutS, class EngineC, class LayoutC>
   CUTE_DEVICE void apply_packed(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
                                 int q0, int col0) const {
-    int const offset = seqlen_k - seqlen_q;
+    auto const base = *tScS.data();
+    int const row_t = cute::get<0>(base);
+    int const col_t = col0 + cute::get<1>(base);
+    int const col_end = seqlen_k - col_t;  // masked: c >= col_end
     CUTE_UNROLL
     for (int i = 0; i < cute::size(tSrS); ++i) {
-      int const row = q0 + cute::get<0>(tScS(i)) / pack;
-      int const col = col0 + cute::get<1>(tScS(i));
-      bool masked = col >= seqlen_k;
+      auto const off = tScS.layout()(i);
+      int const r = cute::get<0>(off), c = cute::get<1>(off);
+      int limit = col_end;
+      bool below = false;
       if constexpr (kIsBand) {
-        masked |= window_right >= 0 && col > row + offset + window_right;
-        masked |= window_left >= 0 && col < row + offset - window_left;
+        int const diag = col_t - (q0 + (row_t + r) / pack) - (seqlen_k - seqlen_q);  // col - query - offset = diag + c
+        if (window_right >= 0) { limit = min(limit, window_right - diag + 1); }
+        below = window_left >= 0 && c < -window_left - diag;
       }
-      if (masked) { tSrS(i) = -INFINITY; }
+      if (c >= limit || below) { tSrS(i) = -INFINITY; }
     }
   }
 };
