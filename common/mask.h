@@ -5,6 +5,8 @@
 // Masked scores become -inf; the softmax turns them into exact zeros.
 #pragma once
 
+#include <climits>
+
 #include <cute/tensor.hpp>
 
 namespace flashtile {
@@ -73,19 +75,22 @@ struct BandMask {
   }
 
   // apply() for a GQA-packed tile (row r is query q0 + r / pack): the same per-row limits, one
-  // division per distinct row of the thread.
+  // division per distinct row of the thread. Rows at or past pack * q_per_tile (padding when pack
+  // does not divide the tile) are masked whole: their Q rows hold whatever shared memory held, and
+  // must not reach the softmax (nor, through the lazy-rescale vote, their warp's other rows).
   template <bool kIsBand, class EngineS, class LayoutS, class EngineC, class LayoutC>
   CUTE_DEVICE void apply_packed(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
                                 int q0, int col0) const {
     auto const base = *tScS.data();
     int const row_t = cute::get<0>(base);
+    int const rows_used = pack * q_per_tile;
     int const col_t = col0 + cute::get<1>(base);
     int const col_end = seqlen_k - col_t;  // masked: c >= col_end
     CUTE_UNROLL
     for (int i = 0; i < cute::size(tSrS); ++i) {
       auto const off = tScS.layout()(i);
       int const r = cute::get<0>(off), c = cute::get<1>(off);
-      int limit = col_end;
+      int limit = row_t + r < rows_used ? col_end : INT_MIN;
       bool below = false;
       if constexpr (kIsBand) {
         int const diag = col_t - (q0 + (row_t + r) / pack) - (seqlen_k - seqlen_q);  // col - query - offset = diag + c

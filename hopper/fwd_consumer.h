@@ -63,7 +63,8 @@ CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask con
     if (mask.block_needs_mask(kIsBand, m_block, n_block, Traits::kBlockM, Traits::kBlockN)) {
       mask.template apply<kIsBand>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
     }
-  } else if (mask.block_needs_mask(kIsBand, m_block, n_block, mask.q_per_tile, Traits::kBlockN)) {
+  } else if (mask.pack * mask.q_per_tile < Traits::kBlockM ||
+             mask.block_needs_mask(kIsBand, m_block, n_block, mask.q_per_tile, Traits::kBlockN)) {
     mask.template apply_packed<kIsBand>(tSrS, tScS, m_block * mask.q_per_tile, n_block * Traits::kBlockN);
   }
 }
