@@ -9,15 +9,21 @@
 //   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
 //                        the dq accumulator with one TMA reduce-add (in descending KV-block order behind a
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
-//                        the TMA has read it.
+//                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
+//                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
+//                        both parts of a step behind the step's one semaphore turn.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
 //                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
 //                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
 //                        (accumulated in registers over the whole walk); dQ = dS K staged for the writer.
 // Consumer synchronization per step (named barriers over the 256 consumer threads): kPdSFull once dS
 // (and P) of the step are in shared memory, since both warpgroups read all of them; without kSwapSdP,
-// kPdSEmpty before they are overwritten (kSwapSdP double-buffers dS instead). The Q/dO stage is
-// released after the GEMMs that read it have completed.
+// kPdSEmpty before they are overwritten (kSwapSdP double-buffers dS instead). The Q and dO stages are
+// released after the GEMMs that read them have completed.
+// kSwapSdP step orders (HopperBwdTile::dq_overlap):
+//   off: S^T, dP^T; P^T; dV issued; dS^T; dK issued; dS stored; kPdSFull; dQ; all done; dQ staged.
+//   on:  S^T, dP^T; P^T, dS^T; dS stored; dV issued; kPdSFull; dQ issued; dV done (dO released);
+//        dK issued; dQ done, staged while dK runs; dK done (Q released).
 // Rows past seqlen_q get lse_log2 = +inf (P = 0); columns past seqlen_k and outside the band are
 // masked to -inf, so padded rows and columns contribute exact zeros.
 #pragma once
@@ -53,8 +59,8 @@ struct BwdKernelParams {
                                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemIn{}, typename Traits::SmemLayoutV{},
                                       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDimV>>{}, _1{}));
-  using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensor<float>{}, typename Traits::SmemLayoutdQ{},
-                                       Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}, _1{}));
+  using TmadQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensor<float>{}, typename Traits::SmemLayoutdQPart{},
+                                       Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{}));
   BwdParams bwd;
   ShapeQKV shape_q, shape_do, shape_k, shape_v, shape_dq_accum;
   TmaQ tma_q;
@@ -74,6 +80,40 @@ struct BwdStep {
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Stores a warpgroup's dQ^T accumulator, ((2, 2, N / 8), 1, 1) values of the (d, block_m) tile at the
+// coordinates `coord`, into the (block_m, d) fp32 staging tile sdQ (swizzled through its pointer):
+// st.shared.f32, conflict-free (a warp's store covers 4 rows x 8 columns, which the 128-byte swizzle
+// spreads over the 32 banks). Rows 8 apart (the N / 8 blocks) are 1 KB apart, which the swizzle leaves
+// alone, so a thread computes one address per (v0, v1) pair and stores at immediate offsets from it;
+// per-element swizzled addresses, invariant over the walk, were hoisted out of the step loop and spilled.
+template <class SmemLayout, class TensorS, class TensorAcc, class TensorCoord>
+CUTE_DEVICE void store_dq_transposed(TensorS const& sdQ, TensorAcc const& acc, TensorCoord const& coord) {
+  static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == 1);
+  constexpr int kRowBlocks = decltype(size<0, 2>(acc))::value;
+  constexpr uint32_t kRowBlockBytes = 1024;
+  using Swizzle = decltype(SmemLayout{}.layout_a());
+  static_assert(Swizzle::num_bits + Swizzle::num_base + Swizzle::num_shft <= 10);
+  static_assert(SmemLayout{}.layout_b()(8, 0) * sizeof(float) == kRowBlockBytes &&
+                SmemLayout{}.layout_b()(8, 32) == SmemLayout{}.layout_b()(0, 32) + SmemLayout{}.layout_b()(8, 0));
+  CUTE_UNROLL
+  for (int v1 = 0; v1 < 2; ++v1) {
+    CUTE_UNROLL
+    for (int v0 = 0; v0 < 2; ++v0) {
+      auto const mn = coord(make_coord(make_coord(v0, v1, 0), 0, 0));  // (d, query)
+      uint32_t const addr = cast_smem_ptr_to_uint(&sdQ(get<1>(mn), get<0>(mn)));
+      CUTE_UNROLL
+      for (int v2 = 0; v2 < kRowBlocks; ++v2) {
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr + v2 * kRowBlockBytes),
+                     "f"(acc(make_coord(make_coord(v0, v1, v2), 0, 0)))
+                     : "memory");
+      }
+    }
+  }
+}
+
+static_assert(int(BwdNamedBarrier::kdQFull2) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
+              cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
+
 template <class Traits, bool kIsBand, bool kHasSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const kp) {
@@ -85,7 +125,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
-  constexpr int kdQSyncThreads = kNMmaThreads + 32;  // consumers + the dQ writer warp
+  constexpr int kdQParts = Traits::kdQParts;
+  constexpr int kdQSyncThreads = kNMmaThreads / kdQParts + 32;  // a part's consumers + the dQ writer warp
   BwdParams const& params = kp.bwd;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -190,18 +231,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // -------------------------------------------------------------- dQ writer
       Tensor mdQ = kp.tma_dq.get_tma_tensor(kp.shape_dq_accum);
       auto cta_tma = kp.tma_dq.get_slice(_0{});
-      Tensor tdQsdQ = cta_tma.partition_S(sdQ);
+      using ShapePart = Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>;
+      auto tdQsdQ = [&](int part) {
+        return cta_tma.partition_S(make_tensor(make_smem_ptr(ss.smem_dq.data() + part * size(ShapePart{})),
+                                               typename Traits::SmemLayoutdQPart{}));
+      };
       // Packed batches: each sequence's accumulator rows start FT_BWD_ACCUM_ROW_PAD rows further on.
       int64_t const acc_row0 = varlen_q ? seq.q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb : 0;
       for (int step = 0; step < num_steps; ++step) {
         BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
         Tensor gdQ = local_tile(domain_offset(make_coord(acc_row0, _0{}), mdQ(_, _, st.bidh, varlen_q ? 0 : bidb)),
                                 Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(st.m_block, _0{}));
-        Tensor tdQgdQ = cta_tma.partition_D(gdQ);
+        auto tdQgdQ = [&](int part) {
+          return cta_tma.partition_D(
+              local_tile(gdQ, ShapePart{}, Traits::kdQRowParts ? make_coord(part, 0) : make_coord(0, part)));
+        };
         int* semaphore = nullptr;
         if (b.deterministic) {
           int n_block_lo, n_block_hi;
           kv_block_range<kIsBand>(p, seq, st.m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+          // One semaphore per query block: block_m >= FT_BWD_SEMAPHORE_ROWS, so the index stays below
+          // the sem_blocks allocated (block_m 80: index m_block < ceil(seqlen_q / 80)).
+          static_assert(kBlockM >= FT_BWD_SEMAPHORE_ROWS);
           int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
           semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + st.bidh) * sem_blocks +
                       st.m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
@@ -210,15 +261,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             __threadfence();
           }
         }
-        cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQFull));
-        if (lane == 0) {
-          copy(kp.tma_dq, tdQsdQ, tdQgdQ);
-          tma_store_arrive();
-          tma_store_wait<0>();  // the staging tile has been read
+        CUTE_UNROLL
+        for (int part = 0; part < kdQParts; ++part) {
+          cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
+          if (lane == 0) {
+            copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
+            tma_store_arrive();
+          }
         }
-        __syncwarp();
-        if (step + 1 < num_steps) {
-          cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty));
+        static_assert(kdQParts <= 2);
+        CUTE_UNROLL
+        for (int part = 0; part < kdQParts; ++part) {
+          if (lane == 0) {  // the part's staging has been read (its bulk group and all older ones)
+            if (part + 1 < kdQParts) { tma_store_wait<1>(); } else { tma_store_wait<0>(); }
+          }
+          __syncwarp();
+          if (step + 1 < num_steps) { cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(part)); }
         }
         if (lane == 0 && b.deterministic) {
           bulk_wait_all_complete();  // the adds have landed before the next KV block's turn
@@ -258,11 +316,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }();
   Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);
   Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  constexpr bool kdQT = Traits::kdQTransposed;
   constexpr int kdQCols = Traits::kdQCols;
-  // Pass `pass` of dQ: its columns of K^T (B operand) and of the staging tile.
+  using TileShapedQ = typename Traits::TileShapedQ;
+  // dQ = dS K (dQ^T = K^T dS^T when transposed): dS staged (last mode).
+  Tensor tdQrdS = [&] {
+    if constexpr (kdQT) { return thr_dq.partition_fragment_B(sdS); } else { return thr_dq.partition_fragment_A(sdS); }
+  }();
+  // Pass `pass` of dQ: its columns of K^T (B operand); transposed, all of K^T (A operand, one pass).
   auto tdQrKt = [&](int pass) {
-    return thr_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kdQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));
+    if constexpr (kdQT) {
+      return thr_dq.partition_fragment_A(sKt);
+    } else {
+      return thr_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kdQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));
+    }
+  };
+  auto dq_gemm = [&](int ds_stage, int pass, auto& acc_dq) {
+    if constexpr (kdQT) {
+      wg_gemm<true, -1>(mma_dq, tdQrKt(pass), tdQrdS(_, _, _, ds_stage), acc_dq);
+    } else {
+      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt(pass), acc_dq);
+    }
   };
   Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
@@ -272,11 +346,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The S tile as the SdP MMA sees it: (keys, queries) when swapped.
   using TileSdP = std::conditional_t<kSwap, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
+  // Pass `pass` of dQ into the staging tile.
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
-  auto tdQsdQ = [&](int pass) {
-    return smem_thr_dq.partition_D(
-        local_tile(as_position_independent_swizzle_tensor(sdQ), Shape<Int<kBlockM>, Int<kdQCols>>{}, make_coord(_0{}, pass)));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileShapedQ{}));
+  auto stage_dq = [&](auto const& acc_dq, int pass) {
+    if constexpr (kdQT) {
+      store_dq_transposed<typename Traits::SmemLayoutdQ>(sdQ, acc_dq, tdQcdQ);
+    } else {
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
+           smem_thr_dq.partition_D(local_tile(as_position_independent_swizzle_tensor(sdQ), TileShapedQ{}, make_coord(_0{}, pass))));
+    }
+  };
+  // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
+  int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;
+  auto dq_wait_empty = [&](int step) {
+    if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
+  };
+  auto dq_staged = [&] {
+    tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
+    cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_full_barrier(dq_part));
   };
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
@@ -343,16 +432,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
       }
+      constexpr bool kOverlap = Traits::kdQPerWg;
+      // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready, except at block_m 80,
+      // where P^T in fp32 (for dS) and bf16 beside dP^T spilled: there both follow the dS stores.
+      constexpr bool kDvBehindDp = !kOverlap && !kdQT;
       Tensor rP = convert_fragment<Element>(acc_s);
-      wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
+      auto dv_gemm = [&] {
+        wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
+      };
+      if constexpr (kDvBehindDp) { dv_gemm(); }
       if constexpr (!kHasSoftcap) {
-        warpgroup_wait<1>();  // dP^T done; dV still running
+        warpgroup_wait<kDvBehindDp ? 1 : 0>();  // dP^T done (dV still running if issued)
         warpgroup_fence_operand(acc_dp);
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
       }
       Tensor rdS = convert_fragment<Element>(acc_dp);
-      wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
+      auto dk_gemm = [&] {
+        wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
+      };
+      if constexpr (kDvBehindDp) { dk_gemm(); }
       // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory. Its buffer was
       // last read by step s - 2's dQ GEMMs, which both warpgroups completed before step s - 1's kPdSFull.
       int const ds_stage = step % 2;
@@ -360,22 +459,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto smem_thr_ds = smem_copy_ds.get_thread_slice(thread_idx);
       copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
            smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))));
+      if constexpr (!kDvBehindDp) { dv_gemm(); }  // behind the dS stores
+      if constexpr (!kOverlap && !kDvBehindDp) { dk_gemm(); }
       if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
-      // rP and rdS are read by the in-flight dV/dK GEMMs: they stay live (fenced) until those complete.
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kdQCols>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt(0), acc_dq);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(rP);
-      warpgroup_fence_operand(rdS);
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(acc_dq);
-      pipeline_q.consumer_release(read_state);
-      pipeline_do.consumer_release(read_state);
-      if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
-      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(0));
+      // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+      dq_gemm(ds_stage, 0, acc_dq);
+      if constexpr (kOverlap) {
+        warpgroup_wait<1>();  // dV done; dQ still running
+        warpgroup_fence_operand(rP);
+        warpgroup_fence_operand(acc_dv);
+        pipeline_do.consumer_release(read_state);
+        dk_gemm();
+        warpgroup_wait<1>();  // dQ done; dK still running
+        warpgroup_fence_operand(acc_dq);
+        dq_wait_empty(step);
+        stage_dq(acc_dq, 0);
+        dq_staged();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(rdS);
+        warpgroup_fence_operand(acc_dk);
+        pipeline_q.consumer_release(read_state);
+      } else {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(rP);
+        warpgroup_fence_operand(rdS);
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_fence_operand(acc_dq);
+        pipeline_q.consumer_release(read_state);
+        pipeline_do.consumer_release(read_state);
+        dq_wait_empty(step);
+        stage_dq(acc_dq, 0);
+        dq_staged();
+      }
     } else {
       Tensor tScS_rc = rowcol(tScS);
       constexpr int kRows = decltype(size<0>(tScS_rc))::value;
@@ -443,29 +562,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kdQCols>>{});
-      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt(0), acc_dq);
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+      dq_gemm(0, 0, acc_dq);
       wg_gemm<false, -1>(mma_dv, thr_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
       wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
       warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
-      if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, int(BwdNamedBarrier::kdQEmpty)); }
-      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(0));
+      dq_wait_empty(step);
+      stage_dq(acc_dq, 0);
       CUTE_UNROLL
       for (int pass = 1; pass < Traits::kdQPasses; ++pass) {  // behind dV/dK, into the same registers
-        wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, 0), tdQrKt(pass), acc_dq);
+        dq_gemm(0, pass, acc_dq);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);
-        copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq), tdQsdQ(pass));
+        stage_dq(acc_dq, pass);
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
       pipeline_q.consumer_release(read_state);
       pipeline_do.consumer_release(read_state);
+      dq_staged();
     }
-    tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
-    cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, int(BwdNamedBarrier::kdQFull));
     ++read_state;
   }
 

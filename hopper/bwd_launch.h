@@ -15,7 +15,7 @@ namespace flashtile::hopper {
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
+  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV, kIsBand, kHasSoftcap>;
   using KP = BwdKernelParams<Traits>;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -51,7 +51,8 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   kp.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{},
                             make_gmem_tensor(b.dq_accum, kp.shape_dq_accum, b.dq_accum_row_stride, b.dq_accum_head_stride,
                                              b.dq_accum_batch_stride),
-                            typename Traits::SmemLayoutdQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+                            typename Traits::SmemLayoutdQPart{},
+                            Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{});
 
   if (LaunchStatus s = launch_bwd_preprocess<Element>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);

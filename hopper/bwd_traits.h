@@ -11,11 +11,17 @@
 //    shared memory and every GEMM reads its operands there:
 //      dV += P^T dO  A = P^T MN-major,  B = dO MN-major
 //      dK += dS^T Q  A = dS^T MN-major, B = Q MN-major
-// In both, dQ = dS K reads A = dS K-major and B = K MN-major from shared memory. The MN-major operands
-// are the K-major tiles seen through a transposing composition: no copies.
+// In both, dQ = dS K reads A = dS K-major and B = K MN-major from shared memory. A block_m that is not
+// a multiple of 64 (80 at d = 128) cannot be dQ's WGMMA M: dQ is then computed transposed,
+// dQ^T = K^T dS^T with the warpgroups splitting d (A = K^T MN-major, B = dS K-major), and stored
+// transposed into the staging tile. The MN-major operands are the K-major tiles seen through a
+// transposing composition: no copies.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -26,6 +32,23 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
+// The SS WGMMA atom of a warpgroup tile (M = 64). N = 80 (block_m 80) is one of CUTLASS's "extended"
+// shapes, which GMMA::ss_op_selector only offers when all of them are compiled in
+// (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED); the atom is named here instead (its headers are included
+// above).
+template <class Element, int kN, int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
+struct SsOp64 {
+  using type = decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kN>, Int<kK>>, kMajorA, kMajorB>());
+};
+template <int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
+struct SsOp64<cutlass::bfloat16_t, 80, kK, kMajorA, kMajorB> {
+  using type = GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>;
+};
+template <int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
+struct SsOp64<cutlass::half_t, 80, kK, kMajorA, kMajorB> {
+  using type = GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>;
+};
+
 // A (rows, cols[, stages]) K-major tile seen as (cols, rows[, stages]): the same bytes, MN-major.
 template <class Layout, int kRows, int kCols>
 using Transposed2 = decltype(composition(Layout{}, make_ordered_layout(Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{})));
@@ -33,13 +56,13 @@ template <class Layout, int kRows, int kCols, int kStages>
 using Transposed3 = decltype(composition(
     Layout{}, make_ordered_layout(Shape<Int<kCols>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-template <class Element_, int kHeadDim_, int kHeadDimV_>
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kIsBand_, bool kHasSoftcap_>
 struct BwdTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr HopperBwdTile kTile = hopper_bwd_tile(kHeadDim, kHeadDimV);
+  static constexpr HopperBwdTile kTile = hopper_bwd_tile(kHeadDim, kHeadDimV, kIsBand_, kHasSoftcap_);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kQStages = kTile.q_stages;
@@ -53,32 +76,49 @@ struct BwdTraits {
   static constexpr int kWgMSdP = kBlockM / 64 >= 2 ? 2 : 1;
   static constexpr int kWgMdKV = kBlockN / 64 >= 2 ? 2 : 1;
   static constexpr int kWgMdQ = kWgMSdP;
-  static_assert(kBlockM % (64 * kWgMSdP) == 0 && kBlockN % (64 * kWgMdKV) == 0);
-
-  template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
-  using TiledMmaOf = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
-                           kMajorA, kMajorB>(),
-      Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
   static constexpr bool kSwapSdP = kWgMdKV == 2;
+  static constexpr bool kdQTransposed = kBlockM % 64 != 0;
+  // Under kSwapSdP block_m is only the N of S^T/dP^T and the K of dK/dV.
+  static_assert(kBlockN % (64 * kWgMdKV) == 0 && kBlockM % (kSwapSdP ? 16 : 64 * kWgMSdP) == 0);
+  static_assert(!kdQTransposed || (kSwapSdP && kHeadDim == 64 * kNMmaWarpGroups));
+
+  // Tiled MMAs as types behind ::type, so that a std::conditional_t only builds the one it selects
+  // (the other may not be a valid WGMMA shape, e.g. M = 80).
+  template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
+  struct TiledMmaOf {
+    static_assert(kM / kWgM == 64);
+    using type = decltype(make_tiled_mma(
+        typename SsOp64<Element, kN / (kNMmaWarpGroups / kWgM), kK, kMajorA, kMajorB>::type{},
+        Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
+  };
   // dK/dV from P^T / dS^T in registers: M = the warpgroup's 64 keys, K = block_m queries.
   template <int kN>
-  using TiledMmadKVRS = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, (kSwapSdP ? 2 : 1), GMMA::Major::K, GMMA::Major::K>,
-                                         TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
-  using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
-                                        TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
-  using TiledMmadV = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDimV>,
-                                        TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
+  struct TiledMmadKVRS {
+    using type = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        Layout<Shape<_2, _1, _1>>{}));
+  };
+  using TiledMmaSdP = typename std::conditional_t<
+      kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
+      TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>::type;
+  using TiledMmadK = typename std::conditional_t<
+      kSwapSdP, TiledMmadKVRS<kHeadDim>,
+      TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>::type;
+  using TiledMmadV = typename std::conditional_t<
+      kSwapSdP, TiledMmadKVRS<kHeadDimV>,
+      TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>::type;
   // dQ = dS K in kdQPasses column passes (d = 256: two), each staged before the next is issued, so
   // only one pass's accumulators are live beside the dK/dV ones (one pass spilled 56 B there).
   static constexpr int kdQPasses = kHeadDim > 192 ? 2 : 1;
   static constexpr int kdQCols = kHeadDim / kdQPasses;
   static_assert(kdQPasses == 1 || !kSwapSdP);
-  using TiledMmadQ = TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
+  using TiledMmadQ = typename std::conditional_t<
+      kdQTransposed, TiledMmaOf<kHeadDim, kBlockM, kBlockN, kNMmaWarpGroups, GMMA::Major::MN, GMMA::Major::K>,
+      TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>>::type;
+  // The C tile of one dQ pass as its MMA sees it: (d, block_m) when transposed.
+  using TileShapedQ = std::conditional_t<kdQTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>,
+                                         Shape<Int<kBlockM>, Int<kdQCols>>>;
 
   // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
   // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's half (d = 192: 96 columns).
@@ -99,14 +139,31 @@ struct BwdTraits {
   using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
   using SmemLayoutdSt = Transposed3<SmemLayoutdS, kBlockM, kBlockN, kdSStages>;
-  // fp32 dQ staging tile, 128-byte swizzled (conflict-free accumulator stores); read by the TMA
-  // reduce-add into the dq accumulator.
-  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<ElementAccum>{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  static_assert(kHeadDim % 32 == 0, "the dQ staging swizzle needs head-dim buckets that are multiples of 32");
+  // fp32 dQ staging tile (block_m, d), swizzled (conflict-free accumulator stores), read by the TMA
+  // reduce-add into the dq accumulator. Under kdQPerWg it is kdQParts parts stored one after the
+  // other, each staged by one consumer warpgroup (the rows or columns of dQ its MMA owns; columns
+  // when transposed, where the warpgroups split d) and added by its own reduce-add.
+  static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
+  static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
+  static constexpr bool kdQRowParts = kdQPerWg && !kdQTransposed && kWgMdQ == kNMmaWarpGroups;
+  static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
+  static constexpr int kdQPartCols = kdQRowParts ? kHeadDim : kHeadDim / kdQParts;
+  static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0);
+  using SmemAtomdQ = std::conditional_t<kdQPartCols % 32 == 0, GMMA::Layout_K_SW128_Atom<ElementAccum>,
+                                        GMMA::Layout_K_SW64_Atom<ElementAccum>>;
+  using SmemLayoutdQPart = decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kdQPartRows>, Int<kdQPartCols>>{}));
+  // Column parts are already consecutive in a (block_m, d) tile of column-major atoms; row parts
+  // are a (part rows, d, parts) tile seen as (block_m, d).
+  using SmemLayoutdQ = std::conditional_t<
+      kdQRowParts,
+      decltype(composition(tile_to_shape(SmemAtomdQ{}, Shape<Int<kdQPartRows>, Int<kHeadDim>, Int<kdQParts>>{}),
+                           Layout<Shape<Shape<Int<kdQPartRows>, Int<kdQParts>>, Int<kHeadDim>>,
+                                  Stride<Stride<_1, Int<kdQPartRows * kHeadDim>>, Int<kdQPartRows>>>{})),
+      decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}))>;
 
   using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // also dK/dV staging
   using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
-  using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;
+  using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;  // not transposed
 
   // dK/dV: 16-byte global stores from the staged tiles, by all consumer threads.
   template <int kCols>
@@ -131,13 +188,14 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
     alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> smem_ds;
-    alignas(1024) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdQ>> smem_dq;
+    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim> smem_dq;
     alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelineQ::SharedStorage pipeline_do;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesdO = kBlockM * kHeadDimV * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);

@@ -19,6 +19,17 @@ enum class BwdNamedBarrier : int {
   kdQEmpty = 2,   // dQ writer warp (arrive) -> consumers (sync): the dQ staging tile may be rewritten
   kdQFull = 3,    // consumers (arrive) -> dQ writer warp (sync): the dQ tile is staged
   kEpilogue = 4,  // all consumer threads: K/V no longer read, dK/dV may be staged over them
+  // dQ staged per consumer warpgroup: kdQEmpty/kdQFull serve warpgroup 1's part, these warpgroup 2's
+  kdQEmpty2 = 5,
+  kdQFull2 = 6,
 };
+
+// The staging barriers of dQ part `part` (one part per consumer warpgroup, or one for the tile).
+constexpr int bwd_dq_empty_barrier(int part) {
+  return int(part == 0 ? BwdNamedBarrier::kdQEmpty : BwdNamedBarrier::kdQEmpty2);
+}
+constexpr int bwd_dq_full_barrier(int part) {
+  return int(part == 0 ? BwdNamedBarrier::kdQFull : BwdNamedBarrier::kdQFull2);
+}
 
 }  // namespace flashtile::hopper
