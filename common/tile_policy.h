@@ -134,9 +134,10 @@ struct HopperBwdTile {
 #define FLASHTILE_BWD_BLOCK_M80 -1
 #endif
 
-// block_m 80 at d = 128: the SS GEMMs (S^T, dP^T, dQ) read fewer shared-memory bytes per FLOP than
-// at 64; dQ is then computed transposed (80 is not a WGMMA M). Band masks keep 64 (a larger block
-// wastes more of the diagonal), and so does softcap, which spilled 4 B at 80.
+// block_m 80 at d = 128 (build option only, off by policy): the SS GEMMs (S^T, dP^T, dQ) read fewer
+// shared-memory bytes per FLOP than at 64, with dQ computed transposed (80 is not a WGMMA M); on an
+// H100 it measured the same as 64 at 4k-16k and 3-5% slower at 1k. Only without band mask (a larger
+// block wastes more of the diagonal) or softcap (spilled 4 B at 80).
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
 constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v, bool is_band, bool has_softcap) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
@@ -145,7 +146,7 @@ constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v, bool is_ba
                     : d <= 192 ? HopperBwdTile{64, 64, 2, 24, 240, false}
                                : HopperBwdTile{64, 64, 1, 24, 240, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
-  if (head_dim == 128 && head_dim_v == 128 && !is_band && !has_softcap && FLASHTILE_BWD_BLOCK_M80 != 0) {
+  if (head_dim == 128 && head_dim_v == 128 && !is_band && !has_softcap && FLASHTILE_BWD_BLOCK_M80 == 1) {
     t.block_m = 80;
   }
   return t;
