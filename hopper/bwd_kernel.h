@@ -70,11 +70,17 @@ struct BwdKernelParams {
   TmadQ tma_dq;
 };
 
-// The (query head, query block) of step `step` of a CTA's walk: query block fastest.
+// The (query head, query block) of a step of a CTA's walk, query block fastest. Advanced step by step
+// rather than derived from the step index: that took two integer divisions per step and thread.
 struct BwdStep {
   int bidh, m_block;
-  CUTE_DEVICE BwdStep(int step, int bidh_k, int group, int m_block_min, int num_m_blocks)
-      : bidh(bidh_k * group + step / num_m_blocks), m_block(m_block_min + step % num_m_blocks) {}
+  CUTE_DEVICE BwdStep(int bidh_k, int group, int m_block_min) : bidh(bidh_k * group), m_block(m_block_min) {}
+  CUTE_DEVICE void advance(int m_block_min, int m_block_max) {
+    if (++m_block == m_block_max) {
+      m_block = m_block_min;
+      ++bidh;
+    }
+  }
 };
 
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
@@ -206,8 +212,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         copy(kp.tma_v.with(reinterpret_cast<uint64_t&>(ss.barrier_kv), 0), tVgV, tVsV);
       }
       PipelineState write_state = cutlass::make_producer_start_state<PipelineQ>();
-      for (int step = 0; step < num_steps; ++step) {
-        BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+      BwdStep st(bidh_k, group, m_block_min);
+      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
         int const batch_q = varlen_q ? 0 : bidb;
         Tensor gQ = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, st.bidh, batch_q)),
                                Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -238,8 +244,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       };
       // Packed batches: each sequence's accumulator rows start FT_BWD_ACCUM_ROW_PAD rows further on.
       int64_t const acc_row0 = varlen_q ? seq.q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb : 0;
-      for (int step = 0; step < num_steps; ++step) {
-        BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+      BwdStep st(bidh_k, group, m_block_min);
+      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
         Tensor gdQ = local_tile(domain_offset(make_coord(acc_row0, _0{}), mdQ(_, _, st.bidh, varlen_q ? 0 : bidb)),
                                 Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(st.m_block, _0{}));
         auto tdQgdQ = [&](int part) {
@@ -380,13 +386,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // kSwap: the rows' statistics go through shared memory (a thread needs those of all its columns);
   // consumer thread t < 2 * block_m loads LSE (t < block_m) or D of one row, one step ahead.
   bool const stat_thread = thread_idx < 2 * kBlockM;
-  auto load_stat = [&](int step) {
-    BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
-    return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM);
-  };
+  auto load_stat = [&](BwdStep const& st) { return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM); };
+  BwdStep st(bidh_k, group, m_block_min);
   if (num_steps > 0) {
     if constexpr (kSwap) {
-      if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(0); }
+      if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
     }
     ss.barrier_kv.wait(0);
@@ -394,7 +398,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   PipelineState read_state;
   for (int step = 0; step < num_steps; ++step) {
-    BwdStep const st(step, bidh_k, group, m_block_min, num_m_blocks);
+    BwdStep const next = [&] {
+      BwdStep n = st;
+      n.advance(m_block_min, m_block_max);
+      return n;
+    }();
     int const m_block = st.m_block;
     int const stage = read_state.index();
     bool const needs_mask = mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN);
@@ -402,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
 
     if constexpr (kSwap) {
-      float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(step + 1) : 0.f;
+      float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f;
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
       pipeline_q.consumer_wait(read_state);
@@ -585,6 +593,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       dq_staged();
     }
     ++read_state;
+    st = next;
   }
 
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
