@@ -109,8 +109,9 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
 // along its rows when it has 128 of them, else along its columns (WGMMA M is 64 per warpgroup).
 // Registers: dK + dV accumulators (2 * block_n * d fp32 over 256 threads) and the S/dP tiles.
 // Shared memory: K, V (block_n x d) + q_stages * (Q, dO) + P, dS (block_m x block_n, 16-bit) + the
-// fp32 dQ staging tile (block_m x d): d = 64: 192 KB, 96: 152 KB, 128: 192 KB (block_m 80: 227 KB,
-// sm_90's limit), 192: 208 KB, 256: 208 KB (one Q/dO stage).
+// fp32 dQ staging tile (block_m x d): d = 64: 192 KB, 96: 152 KB, 128: 192 KB, 192: 208 KB,
+// 256: 208 KB (one Q/dO stage). block_m 80 at d = 128 (fewer shared-memory bytes per FLOP in the SS
+// GEMMs, dQ computed transposed since 80 is not a WGMMA M) measured no faster than 64 on an H100.
 struct HopperBwdTile {
   int block_m;
   int block_n;
@@ -124,31 +125,20 @@ struct HopperBwdTile {
   bool dq_overlap;
 };
 
-// Build-time overrides of the Hopper backward tile, for measuring each choice's gain (-1 = policy):
+// Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
 // FLASHTILE_BWD_ORDER: HopperBwdTile::dq_overlap (0 off, 1 on; block_n = 128 only).
-// FLASHTILE_BWD_BLOCK_M80: block_m 80 instead of 64 at d = 128 without band mask or softcap (0 off, 1 on).
 #ifndef FLASHTILE_BWD_ORDER
 #define FLASHTILE_BWD_ORDER -1
 #endif
-#ifndef FLASHTILE_BWD_BLOCK_M80
-#define FLASHTILE_BWD_BLOCK_M80 -1
-#endif
 
-// block_m 80 at d = 128 (build option only, off by policy): the SS GEMMs (S^T, dP^T, dQ) read fewer
-// shared-memory bytes per FLOP than at 64, with dQ computed transposed (80 is not a WGMMA M); on an
-// H100 it measured the same as 64 at 4k-16k and 3-5% slower at 1k. Only without band mask (a larger
-// block wastes more of the diagonal) or softcap (spilled 4 B at 80).
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
-constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v, bool is_band, bool has_softcap) {
+constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
   HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 24, 240, false}
                     : d <= 128 ? HopperBwdTile{64, 128, 2, 24, 240, true}
                     : d <= 192 ? HopperBwdTile{64, 64, 2, 24, 240, false}
                                : HopperBwdTile{64, 64, 1, 24, 240, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
-  if (head_dim == 128 && head_dim_v == 128 && !is_band && !has_softcap && FLASHTILE_BWD_BLOCK_M80 == 1) {
-    t.block_m = 80;
-  }
   return t;
 }
 

@@ -86,37 +86,6 @@ struct BwdStep {
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// Stores a warpgroup's dQ^T accumulator, ((2, 2, N / 8), 1, 1) values of the (d, block_m) tile at the
-// coordinates `coord`, into the (block_m, d) fp32 staging tile sdQ (swizzled through its pointer):
-// st.shared.f32, conflict-free (a warp's store covers 4 rows x 8 columns, which the 128-byte swizzle
-// spreads over the 32 banks). Rows 8 apart (the N / 8 blocks) are 1 KB apart, which the swizzle leaves
-// alone, so a thread computes one address per (v0, v1) pair and stores at immediate offsets from it;
-// per-element swizzled addresses, invariant over the walk, were hoisted out of the step loop and spilled.
-template <class SmemLayout, class TensorS, class TensorAcc, class TensorCoord>
-CUTE_DEVICE void store_dq_transposed(TensorS const& sdQ, TensorAcc const& acc, TensorCoord const& coord) {
-  static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == 1);
-  constexpr int kRowBlocks = decltype(size<0, 2>(acc))::value;
-  constexpr uint32_t kRowBlockBytes = 1024;
-  using Swizzle = decltype(SmemLayout{}.layout_a());
-  static_assert(Swizzle::num_bits + Swizzle::num_base + Swizzle::num_shft <= 10);
-  static_assert(SmemLayout{}.layout_b()(8, 0) * sizeof(float) == kRowBlockBytes &&
-                SmemLayout{}.layout_b()(8, 32) == SmemLayout{}.layout_b()(0, 32) + SmemLayout{}.layout_b()(8, 0));
-  CUTE_UNROLL
-  for (int v1 = 0; v1 < 2; ++v1) {
-    CUTE_UNROLL
-    for (int v0 = 0; v0 < 2; ++v0) {
-      auto const mn = coord(make_coord(make_coord(v0, v1, 0), 0, 0));  // (d, query)
-      uint32_t const addr = cast_smem_ptr_to_uint(&sdQ(get<1>(mn), get<0>(mn)));
-      CUTE_UNROLL
-      for (int v2 = 0; v2 < kRowBlocks; ++v2) {
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr + v2 * kRowBlockBytes),
-                     "f"(acc(make_coord(make_coord(v0, v1, v2), 0, 0)))
-                     : "memory");
-      }
-    }
-  }
-}
-
 static_assert(int(BwdNamedBarrier::kdQFull2) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
@@ -257,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           int n_block_lo, n_block_hi;
           kv_block_range<kIsBand>(p, seq, st.m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
           // One semaphore per query block: block_m >= FT_BWD_SEMAPHORE_ROWS, so the index stays below
-          // the sem_blocks allocated (block_m 80: index m_block < ceil(seqlen_q / 80)).
+          // the sem_blocks allocated.
           static_assert(kBlockM >= FT_BWD_SEMAPHORE_ROWS);
           int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
           semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + st.bidh) * sem_blocks +
@@ -304,45 +273,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   typename Traits::TiledMmadV mma_dv;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
-  auto thr_dk = mma_dk.get_thread_slice(thread_idx);
-  auto thr_dv = mma_dv.get_thread_slice(thread_idx);
-  auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+  // Shared-memory operands (WGMMA descriptors) depend only on the warpgroup: sliced by its first
+  // thread, with the warpgroup index warp-uniform (a shuffle), so the descriptors live in uniform
+  // registers. Sliced by thread_idx they were computed per thread and moved over with R2UR.
+  int const wg_thread0 = (warp_group_idx - 1) * cutlass::NumThreadsPerWarpGroup;
+  auto wg_sdp = mma_sdp.get_slice(wg_thread0);
+  auto wg_dk = mma_dk.get_slice(wg_thread0);
+  auto wg_dv = mma_dv.get_slice(wg_thread0);
+  auto wg_dq = mma_dq.get_slice(wg_thread0);
   // S (or S^T) and dP (or dP^T) operands; the query-side ones are staged (last mode).
   Tensor tSrQ = [&] {
-    if constexpr (kSwap) { return thr_sdp.partition_fragment_B(sQ); } else { return thr_sdp.partition_fragment_A(sQ); }
+    if constexpr (kSwap) { return wg_sdp.partition_fragment_B(sQ); } else { return wg_sdp.partition_fragment_A(sQ); }
   }();
   Tensor tSrK = [&] {
-    if constexpr (kSwap) { return thr_sdp.partition_fragment_A(sK); } else { return thr_sdp.partition_fragment_B(sK); }
+    if constexpr (kSwap) { return wg_sdp.partition_fragment_A(sK); } else { return wg_sdp.partition_fragment_B(sK); }
   }();
   Tensor tdPrdO = [&] {
-    if constexpr (kSwap) { return thr_sdp.partition_fragment_B(sdO); } else { return thr_sdp.partition_fragment_A(sdO); }
+    if constexpr (kSwap) { return wg_sdp.partition_fragment_B(sdO); } else { return wg_sdp.partition_fragment_A(sdO); }
   }();
   Tensor tdPrV = [&] {
-    if constexpr (kSwap) { return thr_sdp.partition_fragment_A(sV); } else { return thr_sdp.partition_fragment_B(sV); }
+    if constexpr (kSwap) { return wg_sdp.partition_fragment_A(sV); } else { return wg_sdp.partition_fragment_B(sV); }
   }();
-  Tensor tdVrdOt = thr_dv.partition_fragment_B(sdOt);
-  Tensor tdKrQt = thr_dk.partition_fragment_B(sQt);
-  constexpr bool kdQT = Traits::kdQTransposed;
+  Tensor tdVrdOt = wg_dv.partition_fragment_B(sdOt);
+  Tensor tdKrQt = wg_dk.partition_fragment_B(sQt);
   constexpr int kdQCols = Traits::kdQCols;
   using TileShapedQ = typename Traits::TileShapedQ;
-  // dQ = dS K (dQ^T = K^T dS^T when transposed): dS staged (last mode).
-  Tensor tdQrdS = [&] {
-    if constexpr (kdQT) { return thr_dq.partition_fragment_B(sdS); } else { return thr_dq.partition_fragment_A(sdS); }
-  }();
-  // Pass `pass` of dQ: its columns of K^T (B operand); transposed, all of K^T (A operand, one pass).
-  auto tdQrKt = [&](int pass) {
-    if constexpr (kdQT) {
-      return thr_dq.partition_fragment_A(sKt);
-    } else {
-      return thr_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kdQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));
-    }
-  };
+  // dQ = dS K: dS staged (last mode); pass `pass` reads its columns of K^T.
+  Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
   auto dq_gemm = [&](int ds_stage, int pass, auto& acc_dq) {
-    if constexpr (kdQT) {
-      wg_gemm<true, -1>(mma_dq, tdQrKt(pass), tdQrdS(_, _, _, ds_stage), acc_dq);
-    } else {
-      wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt(pass), acc_dq);
-    }
+    wg_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage),
+                      wg_dq.partition_fragment_B(local_tile(sKt, Shape<Int<kdQCols>, Int<kBlockN>>{}, make_coord(pass, _0{}))),
+                      acc_dq);
   };
   Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
@@ -355,14 +316,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Pass `pass` of dQ into the staging tile.
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(TileShapedQ{}));
-  auto stage_dq = [&](auto const& acc_dq, int pass) {
-    if constexpr (kdQT) {
-      store_dq_transposed<typename Traits::SmemLayoutdQ>(sdQ, acc_dq, tdQcdQ);
+  // Under kSwap accumulator row j is query perm(j) (see Traits::dQRowPerm) and is staged there.
+  Tensor sdQ_stage = [&] {
+    Tensor t = as_position_independent_swizzle_tensor(sdQ);
+    if constexpr (kSwap) {
+      return t.compose(make_tile(typename Traits::dQRowPerm{}, Layout<Int<kHeadDim>>{}));
     } else {
-      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
-           smem_thr_dq.partition_D(local_tile(as_position_independent_swizzle_tensor(sdQ), TileShapedQ{}, make_coord(_0{}, pass))));
+      return t;
     }
+  }();
+  auto stage_dq = [&](auto const& acc_dq, int pass) {
+    copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
+         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
   };
   // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
   int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;
@@ -441,16 +406,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
       }
       constexpr bool kOverlap = Traits::kdQPerWg;
-      // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready, except at block_m 80,
-      // where P^T in fp32 (for dS) and bf16 beside dP^T spilled: there both follow the dS stores.
-      constexpr bool kDvBehindDp = !kOverlap && !kdQT;
+      // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready; with it, dV follows
+      // the dS stores and dK the dQ GEMM.
       Tensor rP = convert_fragment<Element>(acc_s);
       auto dv_gemm = [&] {
         wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
       };
-      if constexpr (kDvBehindDp) { dv_gemm(); }
+      if constexpr (!kOverlap) { dv_gemm(); }
       if constexpr (!kHasSoftcap) {
-        warpgroup_wait<kDvBehindDp ? 1 : 0>();  // dP^T done (dV still running if issued)
+        warpgroup_wait<kOverlap ? 0 : 1>();  // dP^T done (dV still running if issued)
         warpgroup_fence_operand(acc_dp);
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
@@ -459,16 +423,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto dk_gemm = [&] {
         wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
       };
-      if constexpr (kDvBehindDp) { dk_gemm(); }
-      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory. Its buffer was
-      // last read by step s - 2's dQ GEMMs, which both warpgroups completed before step s - 1's kPdSFull.
+      if constexpr (!kOverlap) { dk_gemm(); }
+      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
+      // row perm^-1(q) (Traits::dQRowPerm). Its buffer was last read by step s - 2's dQ GEMMs, which
+      // both warpgroups completed before step s - 1's kPdSFull.
       int const ds_stage = step % 2;
       auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
       auto smem_thr_ds = smem_copy_ds.get_thread_slice(thread_idx);
       copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
-           smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))));
-      if constexpr (!kDvBehindDp) { dv_gemm(); }  // behind the dS stores
-      if constexpr (!kOverlap && !kDvBehindDp) { dk_gemm(); }
+           smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
+                                       .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
+      if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
       if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
@@ -572,8 +537,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
       dq_gemm(0, 0, acc_dq);
-      wg_gemm<false, -1>(mma_dv, thr_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
-      wg_gemm<false, -1>(mma_dk, thr_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
+      wg_gemm<false, -1>(mma_dv, wg_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
+      wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
       warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
       dq_wait_empty(step);

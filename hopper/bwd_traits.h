@@ -11,17 +11,12 @@
 //    shared memory and every GEMM reads its operands there:
 //      dV += P^T dO  A = P^T MN-major,  B = dO MN-major
 //      dK += dS^T Q  A = dS^T MN-major, B = Q MN-major
-// In both, dQ = dS K reads A = dS K-major and B = K MN-major from shared memory. A block_m that is not
-// a multiple of 64 (80 at d = 128) cannot be dQ's WGMMA M: dQ is then computed transposed,
-// dQ^T = K^T dS^T with the warpgroups splitting d (A = K^T MN-major, B = dS K-major), and stored
-// transposed into the staging tile. The MN-major operands are the K-major tiles seen through a
-// transposing composition: no copies.
+// In both, dQ = dS K reads A = dS K-major and B = K MN-major from shared memory. The MN-major operands
+// are the K-major tiles seen through a transposing composition: no copies.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
-#include <cute/arch/mma_sm90_gmma_ext.hpp>
-#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -31,23 +26,6 @@
 namespace flashtile::hopper {
 
 using namespace cute;
-
-// The SS WGMMA atom of a warpgroup tile (M = 64). N = 80 (block_m 80) is one of CUTLASS's "extended"
-// shapes, which GMMA::ss_op_selector only offers when all of them are compiled in
-// (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED); the atom is named here instead (its headers are included
-// above).
-template <class Element, int kN, int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
-struct SsOp64 {
-  using type = decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kN>, Int<kK>>, kMajorA, kMajorB>());
-};
-template <int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
-struct SsOp64<cutlass::bfloat16_t, 80, kK, kMajorA, kMajorB> {
-  using type = GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>;
-};
-template <int kK, GMMA::Major kMajorA, GMMA::Major kMajorB>
-struct SsOp64<cutlass::half_t, 80, kK, kMajorA, kMajorB> {
-  using type = GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>;
-};
 
 // A (rows, cols[, stages]) K-major tile seen as (cols, rows[, stages]): the same bytes, MN-major.
 template <class Layout, int kRows, int kCols>
@@ -62,7 +40,7 @@ struct BwdTraits {
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr HopperBwdTile kTile = hopper_bwd_tile(kHeadDim, kHeadDimV, kIsBand_, kHasSoftcap_);
+  static constexpr HopperBwdTile kTile = hopper_bwd_tile(kHeadDim, kHeadDimV);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kQStages = kTile.q_stages;
@@ -77,18 +55,15 @@ struct BwdTraits {
   static constexpr int kWgMdKV = kBlockN / 64 >= 2 ? 2 : 1;
   static constexpr int kWgMdQ = kWgMSdP;
   static constexpr bool kSwapSdP = kWgMdKV == 2;
-  static constexpr bool kdQTransposed = kBlockM % 64 != 0;
-  // Under kSwapSdP block_m is only the N of S^T/dP^T and the K of dK/dV.
-  static_assert(kBlockN % (64 * kWgMdKV) == 0 && kBlockM % (kSwapSdP ? 16 : 64 * kWgMSdP) == 0);
-  static_assert(!kdQTransposed || (kSwapSdP && kHeadDim == 64 * kNMmaWarpGroups));
+  static_assert(kBlockN % (64 * kWgMdKV) == 0 && kBlockM % (64 * kWgMSdP) == 0);
 
-  // Tiled MMAs as types behind ::type, so that a std::conditional_t only builds the one it selects
-  // (the other may not be a valid WGMMA shape, e.g. M = 80).
+  // Tiled MMAs as types behind ::type, so that a std::conditional_t only builds the one it selects.
   template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
   struct TiledMmaOf {
     static_assert(kM / kWgM == 64);
     using type = decltype(make_tiled_mma(
-        typename SsOp64<Element, kN / (kNMmaWarpGroups / kWgM), kK, kMajorA, kMajorB>::type{},
+        GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
+                             kMajorA, kMajorB>(),
         Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
   };
   // dK/dV from P^T / dS^T in registers: M = the warpgroup's 64 keys, K = block_m queries.
@@ -113,12 +88,8 @@ struct BwdTraits {
   static constexpr int kdQPasses = kHeadDim > 192 ? 2 : 1;
   static constexpr int kdQCols = kHeadDim / kdQPasses;
   static_assert(kdQPasses == 1 || !kSwapSdP);
-  using TiledMmadQ = typename std::conditional_t<
-      kdQTransposed, TiledMmaOf<kHeadDim, kBlockM, kBlockN, kNMmaWarpGroups, GMMA::Major::MN, GMMA::Major::K>,
-      TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>>::type;
-  // The C tile of one dQ pass as its MMA sees it: (d, block_m) when transposed.
-  using TileShapedQ = std::conditional_t<kdQTransposed, Shape<Int<kHeadDim>, Int<kBlockM>>,
-                                         Shape<Int<kBlockM>, Int<kdQCols>>>;
+  using TiledMmadQ = typename TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>::type;
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kdQCols>>;  // the C tile of one dQ pass
 
   // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
   // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's half (d = 192: 96 columns).
@@ -139,17 +110,17 @@ struct BwdTraits {
   using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
   using SmemLayoutdSt = Transposed3<SmemLayoutdS, kBlockM, kBlockN, kdSStages>;
-  // fp32 dQ staging tile (block_m, d), swizzled (conflict-free accumulator stores), read by the TMA
-  // reduce-add into the dq accumulator. Under kdQPerWg it is kdQParts parts stored one after the
-  // other, each staged by one consumer warpgroup (the rows or columns of dQ its MMA owns; columns
-  // when transposed, where the warpgroups split d) and added by its own reduce-add.
+  // fp32 dQ staging tile (block_m, d), swizzled, read by the TMA reduce-add into the dq accumulator.
+  // Under kdQPerWg it is kdQParts parts stored one after the other, each staged by one consumer
+  // warpgroup (the rows or columns of dQ its MMA owns) and added by its own reduce-add.
   static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
   static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
-  static constexpr bool kdQRowParts = kdQPerWg && !kdQTransposed && kWgMdQ == kNMmaWarpGroups;
+  static constexpr bool kdQRowParts = kdQPerWg && kWgMdQ == kNMmaWarpGroups;
   static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
   static constexpr int kdQPartCols = kdQRowParts ? kHeadDim : kHeadDim / kdQParts;
   static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0);
-  using SmemAtomdQ = std::conditional_t<kdQPartCols % 32 == 0, GMMA::Layout_K_SW128_Atom<ElementAccum>,
+  static constexpr bool kdQSw128 = kdQPartCols % 32 == 0;
+  using SmemAtomdQ = std::conditional_t<kdQSw128, GMMA::Layout_K_SW128_Atom<ElementAccum>,
                                         GMMA::Layout_K_SW64_Atom<ElementAccum>>;
   using SmemLayoutdQPart = decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kdQPartRows>, Int<kdQPartCols>>{}));
   // Column parts are already consecutive in a (block_m, d) tile of column-major atoms; row parts
@@ -160,10 +131,22 @@ struct BwdTraits {
                            Layout<Shape<Shape<Int<kdQPartRows>, Int<kdQParts>>, Int<kHeadDim>>,
                                   Stride<Stride<_1, Int<kdQPartRows * kHeadDim>>, Int<kdQPartRows>>>{})),
       decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}))>;
+  // Bank conflicts of the dQ staging: a warp's 64-bit accumulator store covers rows 0-7 (lanes / 4)
+  // of 8 columns, and a half-warp's rows 0-3 would share banks in pairs under the swizzle (128-byte:
+  // rows r and r ^ 1; 64-byte: r and r ^ 2; ncu: half of the stores' wavefronts excessive). Under
+  // kSwapSdP, where only the dQ GEMM reads dS, the queries are permuted within each 8-row group: dS
+  // row j holds query perm(j), so accumulator row j is query perm(j) and is staged at its own row
+  // perm(j), which puts a half-warp's rows in four distinct bank groups. The tile's rows in shared
+  // and global memory keep their order. perm as bit strides (row bits 0, 1, 2, then the 8-row
+  // groups); 128-byte: j -> 2 j0 + 4 j1 + j2, 64-byte: j -> j0 + 4 j1 + 2 j2 (its own inverse).
+  using dQRowPerm = std::conditional_t<kdQSw128, Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_2, _4, _1, _8>>,
+                                       Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_1, _4, _2, _8>>>;
+  using dQRowPermInv = std::conditional_t<kdQSw128, Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_4, _1, _2, _8>>,
+                                          dQRowPerm>;
 
   using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // also dK/dV staging
   using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
-  using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;  // not transposed
+  using SmemCopyAtomdQ = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<64>, ElementAccum>;
 
   // dK/dV: 16-byte global stores from the staged tiles, by all consumer threads.
   template <int kCols>

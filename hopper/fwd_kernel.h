@@ -237,9 +237,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   typename Traits::TiledMmaPV tiled_mma_pv;
   auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
   auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-  Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
-  Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
-  Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);
+  // Shared-memory operands (WGMMA descriptors) depend only on the warpgroup: sliced by its first
+  // thread, with `wg` warp-uniform (a shuffle), so the descriptors live in uniform registers. Sliced
+  // by thread_idx they were computed per thread and moved over with R2UR at every GEMM.
+  auto wg_mma_qk = tiled_mma_qk.get_slice(wg * cutlass::NumThreadsPerWarpGroup);
+  auto wg_mma_pv = tiled_mma_pv.get_slice(wg * cutlass::NumThreadsPerWarpGroup);
+  Tensor tSrQ = wg_mma_qk.partition_fragment_A(sQ);
+  Tensor tSrK = wg_mma_qk.partition_fragment_B(sK);
+  Tensor tOrV = wg_mma_pv.partition_fragment_B(sVt);
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
   Tensor tOcO = rowcol(thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
   constexpr int kRowsPerThread = decltype(size<0>(tOcO))::value;
