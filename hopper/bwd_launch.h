@@ -15,7 +15,7 @@ namespace flashtile::hopper {
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV, kIsBand, kHasSoftcap>;
+  using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
   using KP = BwdKernelParams<Traits>;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;

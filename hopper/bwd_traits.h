@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -34,7 +33,7 @@ template <class Layout, int kRows, int kCols, int kStages>
 using Transposed3 = decltype(composition(
     Layout{}, make_ordered_layout(Shape<Int<kCols>, Int<kRows>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kIsBand_, bool kHasSoftcap_>
+template <class Element_, int kHeadDim_, int kHeadDimV_>
 struct BwdTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -57,38 +56,29 @@ struct BwdTraits {
   static constexpr bool kSwapSdP = kWgMdKV == 2;
   static_assert(kBlockN % (64 * kWgMdKV) == 0 && kBlockM % (64 * kWgMSdP) == 0);
 
-  // Tiled MMAs as types behind ::type, so that a std::conditional_t only builds the one it selects.
   template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
-  struct TiledMmaOf {
-    static_assert(kM / kWgM == 64);
-    using type = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
-                             kMajorA, kMajorB>(),
-        Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
-  };
+  using TiledMmaOf = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
+                           kMajorA, kMajorB>(),
+      Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
   // dK/dV from P^T / dS^T in registers: M = the warpgroup's 64 keys, K = block_m queries.
   template <int kN>
-  struct TiledMmadKVRS {
-    using type = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
-                             GMMA::Major::MN>(),
-        Layout<Shape<_2, _1, _1>>{}));
-  };
-  using TiledMmaSdP = typename std::conditional_t<
-      kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
-      TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>::type;
-  using TiledMmadK = typename std::conditional_t<
-      kSwapSdP, TiledMmadKVRS<kHeadDim>,
-      TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>::type;
-  using TiledMmadV = typename std::conditional_t<
-      kSwapSdP, TiledMmadKVRS<kHeadDimV>,
-      TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>::type;
+  using TiledMmadKVRS = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
+                                         TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
+  using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
+                                        TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
+  using TiledMmadV = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDimV>,
+                                        TiledMmaOf<kBlockN, kHeadDimV, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
   // dQ = dS K in kdQPasses column passes (d = 256: two), each staged before the next is issued, so
   // only one pass's accumulators are live beside the dK/dV ones (one pass spilled 56 B there).
   static constexpr int kdQPasses = kHeadDim > 192 ? 2 : 1;
   static constexpr int kdQCols = kHeadDim / kdQPasses;
   static_assert(kdQPasses == 1 || !kSwapSdP);
-  using TiledMmadQ = typename TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>::type;
+  using TiledMmadQ = TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kdQCols>>;  // the C tile of one dQ pass
 
   // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
