@@ -7,6 +7,11 @@
 // shared memory for 16-byte global stores and writes the natural-log LSE.
 // Synchronization: two __syncthreads per KV block, each after a cp.async wait — the first makes K
 // (and V's buffer) safe to reuse, the second makes V visible and K's buffer free.
+// Register budget (the kernel runs at the 255-register limit): blocks that need a mask run their own
+// loop body, so unmasked blocks carry no always-issued selects; whole K/V tiles load unpredicated;
+// the ldmatrix addresses and the thread index are read from shared memory where they are needed
+// (see the stash below) instead of being held through the loop; the O rescale sits behind the
+// second barrier, in the PV GEMM's basic block, where its multiplies issue in the HMMAs' shadow.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -73,23 +78,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
 
   int const tidx = threadIdx.x;
+  constexpr int kNThreads = Traits::kNThreads;
+  Element const* sQ_ptr = smem;
+  Element const* sK_ptr = smem + Traits::kSmemQO;
+  Element const* sV_ptr = sK_ptr + cosize(typename Traits::SmemLayoutK{});
 
-  // Global -> shared copies, with row/column predicates from identity tensors.
+  // Global -> shared copies of Q and the first K block, with row/column predicates from identity
+  // tensors (the main loop's loads derive theirs per block: load_kv).
   typename Traits::GmemTiledCopyQK gmem_copy_qk;
   typename Traits::GmemTiledCopyV gmem_copy_v;
   auto gmem_thr_qk = gmem_copy_qk.get_thread_slice(tidx);
-  auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
   Tensor tQgQ = gmem_thr_qk.partition_S(gQ);
   Tensor tQsQ = gmem_thr_qk.partition_D(sQ);
   Tensor tKgK = gmem_thr_qk.partition_S(gK);
   Tensor tKsK = gmem_thr_qk.partition_D(sK);
-  Tensor tVgV = gmem_thr_v.partition_S(gV);
-  Tensor tVsV = gmem_thr_v.partition_D(sV);
   Tensor tQcQ = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gmem_thr_qk.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   Tensor tQKp = col_predicate(tQcQ, p.head_dim);
-  Tensor tVp = col_predicate(tVcV, p.head_dim_v);
 
   // MMA partitions and shared -> register copies.
   typename Traits::TiledMma tiled_mma;
@@ -99,22 +104,50 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
   auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
-  Tensor tSsQ = smem_thr_q.partition_S(sQ);
   auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
-  Tensor tSsK = smem_thr_k.partition_S(sK);
   auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
   auto smem_thr_v = smem_copy_v.get_thread_slice(tidx);
-  Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+  // Per-thread constants the main loop and the epilogue read from shared memory where they need them
+  // instead of holding them in registers through the loop: the ldmatrix bases of Q, K and V^T
+  // (LdsmXorSource: one per tile, XOR-folded per k-slice) and the thread index, from which the
+  // copies, the mask and the epilogue derive their coordinates (read from here, they are not common
+  // subexpressions of values computed before the loop). Word 0: Q | K << 16, word 1: V^T | tid << 16
+  // (byte offsets within a tile are below 64 KB). Each thread reads only its own words.
+  uint32_t* stash = reinterpret_cast<uint32_t*>(smem_ + Traits::kSmemTiles) + tidx;
+  stash[0] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutQ{}, sQ_ptr).base |
+             make_ldsm_xor_source(smem_thr_k, typename Traits::SmemLayoutK{}, sK_ptr).base << 16;
+  stash[kNThreads] = make_ldsm_xor_source(smem_thr_v, typename Traits::SmemLayoutVt{}, sV_ptr).base | uint32_t(tidx) << 16;
+  auto stashed_tidx = [&] { return int(stash[kNThreads] >> 16); };
 
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});
   clear(acc_o);
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   // Causal is the band (window_left, 0); window_left = -1 leaves it unbounded on the left.
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   constexpr int kRowsPerThread = decltype(size<0>(rowcol(acc_o)))::value;
   OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+  // Row sums reduce-scattered over the quad where a thread holds four rows (OnlineSoftmax::online_lean).
+  constexpr bool kQuadSum = kRowsPerThread == 4;
+
+  // K/V tile of KV block n: whole tiles unpredicated, else predicated at the sequence end and past the
+  // actual head dim. t: the thread index, read (from the stash) before the barrier preceding the load.
+  bool const full_qk_cols = p.head_dim == kHeadDim;
+  bool const full_v_cols = p.head_dim_v == kHeadDimV;
+  auto load_kv = [&](auto const& tiled_copy, auto const& gX, auto& sX, int n, bool full_cols, int cols, int t) {
+    using Tile = Shape<Int<kBlockN>, decltype(size<1>(sX))>;
+    auto thr = tiled_copy.get_thread_slice(t);
+    Tensor src = thr.partition_S(gX(_, _, n));
+    Tensor dst = thr.partition_D(sX);
+    int const rows = seq.seqlen_k - n * kBlockN;
+    if (full_cols && rows >= kBlockN) {
+      copy(tiled_copy, src, dst);
+    } else {
+      Tensor coord = thr.partition_S(make_identity_tensor(Tile{}));
+      copy_tile(tiled_copy, src, dst, coord, col_predicate(coord, cols), rows);
+    }
+  };
 
   // Prologue: Q and the last visible K block.
   int n_block = n_block_max - 1;
@@ -122,64 +155,83 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   copy_tile(gmem_copy_qk, tKgK(_, _, _, n_block), tKsK, tKcK, tQKp, seq.seqlen_k - n_block * kBlockN);
   cp_async_fence();
 
-  bool first = true;
-  for (; n_block >= n_block_min; --n_block) {
+  // One KV block; kMask: whether it needs the mask.
+  auto kv_step = [&](int n, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
+    uint32_t const bases_qk = stash[0];
+    auto const src_q = ldsm_xor_source_with_base(smem_thr_q, typename Traits::SmemLayoutQ{}, sQ_ptr, bases_qk & 0xffffu);
+    auto const src_k = ldsm_xor_source_with_base(smem_thr_k, typename Traits::SmemLayoutK{}, sK_ptr, bases_qk >> 16);
+    int const t_v = stashed_tidx();
     cp_async_wait<0>();
     __syncthreads();  // K[n] visible; every thread is done with V[n+1]
-    copy_tile(gmem_copy_v, tVgV(_, _, _, n_block), tVsV, tVcV, tVp, seq.seqlen_k - n_block * kBlockN);
+    load_kv(gmem_copy_v, gV, sV, n, full_v_cols, p.head_dim_v, t_v);
     cp_async_fence();
 
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+    gemm_ss(acc_s, tSrQ, tSrK, src_q, src_k, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
     if constexpr (kHasSoftcap) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.softcap_scale); }
     }
-    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      apply_mask<kIsBand>(acc_s, tScS, mask, m_block * kBlockM, n_block * kBlockN);
+    if constexpr (kMask) {
+      Tensor tScS = tiled_mma.get_thread_slice(stashed_tidx()).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      apply_mask<kIsBand>(acc_s, tScS, mask, m_block * kBlockM, n * kBlockN);
     }
     Tensor scores = rowcol(acc_s);
-    Tensor out = rowcol(acc_o);
-    if (first) {
-      softmax.template online<true>(scores);
+    auto const src_vt = ldsm_xor_source_with_base(smem_thr_v, typename Traits::SmemLayoutVt{}, sV_ptr, stash[kNThreads] & 0xffffu);
+    // The first block is the last visible one: a uniform test on the block index, no loop-carried flag.
+    if (n == n_block_max - 1) {
+      softmax.template online_lean<true, kQuadSum>(scores);
     } else {
-      softmax.template online<false>(scores);
-      softmax.rescale_o(out);
+      softmax.template online_lean<false, kQuadSum>(scores);
     }
-    first = false;
     // P to the input type right away: the 16-bit fragment, not the fp32 one, stays live across the
-    // wait and the next K load.
-    Tensor tOrP = convert_fragment<Element>(acc_s);
-
+    // wait and the next K load. Four-wide conversions per 16x8 atom: converting the whole fragment at
+    // once spilled 24-56 B in the d 64 band instances.
+    Tensor tOrP = make_tensor<Element>(acc_s.layout());
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(acc_s); ++m) { convert_rows(acc_s, tOrP, m); }
+    int const t_k = stashed_tidx();
     cp_async_wait<0>();
     __syncthreads();  // V[n] visible; every thread is done with K[n]
-    if (n_block > n_block_min) {
-      copy_tile(gmem_copy_qk, tKgK(_, _, _, n_block - 1), tKsK, tKcK, tQKp, seq.seqlen_k - (n_block - 1) * kBlockN);
+    if (n > n_block_min) {
+      load_kv(gmem_copy_qk, gK, sK, n - 1, full_qk_cols, p.head_dim, t_k);
       cp_async_fence();
     }
+    Tensor out = rowcol(acc_o);
+    softmax.rescale_o_always(out);
     Tensor tOrP_a = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-    gemm_rs<2>(acc_o, tOrP_a, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+    gemm_rs<2>(acc_o, tOrP_a, tOrVt, src_vt, tiled_mma, smem_copy_v, smem_thr_v);
+  };
+
+  for (; n_block >= n_block_min; --n_block) {
+    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+      kv_step(n_block, true_type{});
+    } else {
+      kv_step(n_block, false_type{});
+    }
   }
 
   // Epilogue: normalize, LSE, O through shared memory (Q's region: no thread reads sQ any more).
   Tensor out = rowcol(acc_o);
   Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
-  softmax.finalize(out, lse, params.scale_ln);
+  softmax.template finalize_lean<kQuadSum>(out, lse, params.scale_ln);
 
+  int const tidx_e = stashed_tidx();
   Tensor rO = convert_fragment<Element>(acc_o);
   auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-  auto smem_thr_o = smem_copy_o.get_thread_slice(tidx);
+  auto smem_thr_o = smem_copy_o.get_thread_slice(tidx_e);
   Tensor taccOrO = smem_thr_o.retile_S(rO);
   Tensor taccOsO = smem_thr_o.partition_D(sO);
   copy(smem_copy_o, taccOrO, taccOsO);
 
-  Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{})));
+  Tensor tOcO = rowcol(tiled_mma.get_thread_slice(tidx_e).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{})));
   write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
   __syncthreads();
 
   typename Traits::GmemTiledCopyO gmem_copy_o;
-  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx);
+  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx_e);
   Tensor tOsO = gmem_thr_o.partition_S(sO);
   Tensor tOgO = gmem_thr_o.partition_D(gO);
   Tensor tOrO = make_tensor<Element>(shape(tOgO));

@@ -1,5 +1,6 @@
-// Host launcher of the Ampere-path forward kernel: grid shape, dynamic shared memory opt-in and the
-// device's shared-memory limit. Host only; instantiated once per manifest entry.
+// Host launcher of the Ampere-path forward kernel: the tile for the device (tile policy), grid shape,
+// dynamic shared memory opt-in and the device's shared-memory limit. Host only; instantiated once per
+// manifest entry.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,9 +10,8 @@
 
 namespace flashtile::ampere {
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
-LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd_traits(FwdParams const& params, cudaStream_t stream) {
   auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
   if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), params.abi.device, kSmem); !s.ok()) { return s; }
@@ -19,6 +19,21 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   dim3 const grid(num_m_blocks, params.abi.num_heads, params.abi.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "fwd_kernel launch");
+}
+
+// The wide tile where the policy has one for this head dim and picks it for the device.
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+  using TraitsWide = FwdTraits<Element, kHeadDim, kHeadDimV, true>;
+  if constexpr (TraitsWide::kBlockM != Traits::kBlockM) {
+    DeviceAttrs attrs;
+    if (LaunchStatus s = device_attrs(params.abi.device, attrs); !s.ok()) { return s; }
+    if (ampere_fwd_wide(Traits::kSmemBytes, TraitsWide::kSmemBytes, attrs.smem_per_sm, attrs.smem_optin)) {
+      return run_fwd_traits<TraitsWide, kIsBand, kHasSoftcap>(params, stream);
+    }
+  }
+  return run_fwd_traits<Traits, kIsBand, kHasSoftcap>(params, stream);
 }
 
 }  // namespace flashtile::ampere

@@ -13,12 +13,13 @@ namespace flashtile::ampere {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kHeadDimV_>
+// kWide: the wide tile above hdim 128 (tile policy, ampere_fwd_wide).
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kWide = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr FwdTile kTile = ampere_fwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV);
+  static constexpr FwdTile kTile = ampere_fwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kWide);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;
@@ -46,8 +47,11 @@ struct FwdTraits {
 
   // Shared memory: O reuses Q's region once the last QK^T has been issued.
   static constexpr int kSmemQO = cute::max(cosize(SmemLayoutQ{}), cosize(SmemLayoutO{}));
-  static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (kSmemQO + cosize(SmemLayoutK{}) + cosize(SmemLayoutV{}));
+  static constexpr int kSmemTiles = int(sizeof(Element)) * (kSmemQO + cosize(SmemLayoutK{}) + cosize(SmemLayoutV{}));
+  // Per-thread constants read in the main loop rather than held in registers: ldmatrix bases of Q, K
+  // and V^T (LdsmXorSource) and the thread index; [2][kNThreads] words.
+  static constexpr int kSmemStash = 2 * kNThreads * 4;
+  static constexpr int kSmemBytes = kSmemTiles + kSmemStash;
 };
 
 }  // namespace flashtile::ampere

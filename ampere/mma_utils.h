@@ -17,6 +17,118 @@ namespace flashtile::ampere {
 
 using namespace cute;
 
+// ldmatrix from a swizzled tile with XOR-folded addresses. tP is a thread's partition (CPY, M, K) of
+// the tile's unswizzled layout (pointer: tile + t, t the thread's element offset; static layout L);
+// the swizzled tile holds element e at Swz(e). When every L(0, m, k) = x + a with x only in Swz's
+// target bits and a only above its source bits, and t has none of x's bits (ldmatrix partitions: a
+// thread's column chunk lies below every k-slice offset), then
+//   Swz(t + L(0, m, k)) = (Swz(t) ^ x) + a:
+// one register, Swz(t), addresses the whole tile (one XOR per distinct x). The tiled copy's own
+// addressing keeps one register per (m, k) combination the compiler cannot relate, 12-19 at hdim 128,
+// all live through the main loop.
+template <class Swz, class Layout>
+constexpr bool ldsm_xor_foldable() {
+  constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
+  constexpr int kBelowSourceEnd = (1 << (Swz::num_base + Swz::num_shft + Swz::num_bits)) - 1;
+  for (int m = 0; m < int(size<1>(Layout{})); ++m) {
+    for (int k = 0; k < int(size<2>(Layout{})); ++k) {
+      if ((int(Layout{}(0, m, k)) & kBelowSourceEnd & ~kTarget) != 0) { return false; }
+    }
+  }
+  return true;
+}
+
+template <bool kTrans>
+CUTE_DEVICE void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3) : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3) : "r"(addr));
+  }
+}
+
+template <class Swz, class Layout, class Element>
+struct LdsmXorSource {
+  static_assert(ldsm_xor_foldable<Swz, Layout>());
+  uint32_t tile;  // shared-memory byte address of the tile
+  uint32_t base;  // Swz(t) in bytes
+
+  // ldmatrix of entries (m, k), m in [m0, m1), into tD(_, m, k), tD the copy's (CPY, M, K) view of
+  // the register fragment.
+  template <bool kTrans, class TensorD>
+  CUTE_DEVICE void load(TensorD& tD, int m0, int m1, int k) const {
+    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
+    constexpr int kBytes = int(sizeof(Element));
+    CUTE_UNROLL
+    for (int m = m0; m < m1; ++m) {
+      int const off = Layout{}(0, m, k);
+      Tensor d = recast<uint32_t>(tD(_, m, k));
+      static_assert(decltype(size(d))::value == 4);
+      ldsm_x4<kTrans>(tile + ((base ^ uint32_t((off & kTarget) * kBytes)) + uint32_t((off & ~kTarget) * kBytes)),
+                      d(0), d(1), d(2), d(3));
+    }
+  }
+};
+
+// The LdsmXorSource of a tile (tile_layout: swizzle o layout) for thread slice thr_copy.
+template <class ThrCopy, class TileLayout, class Element>
+CUTE_DEVICE auto make_ldsm_xor_source(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element const* tile) {
+  using Swz = decltype(get_swizzle_portion(tile_layout));
+  Tensor tP = thr_copy.partition_S(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
+  LdsmXorSource<Swz, remove_cvref_t<decltype(tP.layout())>, Element> src;
+  src.tile = cast_smem_ptr_to_uint(tile);
+  src.base = uint32_t(Swz{}(int(raw_pointer_cast(tP.data()) - tile)) * int(sizeof(Element)));
+  return src;
+}
+
+// The same source with Swz(t) given (base_bytes, as make_ldsm_xor_source computed it).
+template <class ThrCopy, class TileLayout, class Element>
+CUTE_DEVICE auto ldsm_xor_source_with_base(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element const* tile,
+                                           uint32_t base_bytes) {
+  using Src = decltype(make_ldsm_xor_source(thr_copy, tile_layout, tile));
+  Src src;
+  src.tile = cast_smem_ptr_to_uint(tile);
+  src.base = base_bytes;
+  return src;
+}
+
+template <class T>
+struct is_ldsm_xor_source : false_type {};
+template <class Swz, class Layout, class Element>
+struct is_ldsm_xor_source<LdsmXorSource<Swz, Layout, Element>> : true_type {};
+
+template <class TiledCopy>
+constexpr bool ldsm_is_trans() {
+  using Traits = typename TiledCopy::Traits;
+  static_assert(std::is_same_v<Traits, Copy_Traits<SM75_U16x8_LDSM_T>> ||
+                std::is_same_v<Traits, Copy_Traits<SM75_U32x4_LDSM_N>>);
+  return std::is_same_v<Traits, Copy_Traits<SM75_U16x8_LDSM_T>>;
+}
+
+// copy(tiled_copy, src(_, j, k), tD(_, j, k)) for j in [j0, j1): src is the copy's partition of the
+// shared-memory tile (the tiled copy's own addressing) or an LdsmXorSource of it.
+template <class TiledCopy, class Src, class TensorD>
+CUTE_DEVICE void copy_entries(TiledCopy const& tiled_copy, Src const& src, TensorD& tD, int j0, int j1, int k) {
+  if constexpr (is_ldsm_xor_source<Src>::value) {
+    src.template load<ldsm_is_trans<TiledCopy>()>(tD, j0, j1, k);
+  } else {
+    CUTE_UNROLL
+    for (int j = j0; j < j1; ++j) { copy(tiled_copy, src(_, j, k), tD(_, j, k)); }
+  }
+}
+
+// copy(tiled_copy, src(_, _, k), tD(_, _, k)), as copy_entries.
+template <class TiledCopy, class Src, class TensorD>
+CUTE_DEVICE void copy_k_slice(TiledCopy const& tiled_copy, Src const& src, TensorD& tD, int k) {
+  if constexpr (is_ldsm_xor_source<Src>::value) {
+    copy_entries(tiled_copy, src, tD, 0, int(size<1>(tD)), k);
+  } else {
+    copy(tiled_copy, src(_, _, k), tD(_, _, k));
+  }
+}
+
 // acc = A * B^T with A and B both read from shared memory (S = Q K^T).
 template <class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
           class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
@@ -25,13 +137,13 @@ CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorS
                          CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
   Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
-  copy(copy_a, tCsA(_, _, _0{}), tCrA_view(_, _, _0{}));
-  copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+  copy_k_slice(copy_a, tCsA, tCrA_view, 0);
+  copy_k_slice(copy_b, tCsB, tCrB_view, 0);
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
     if (k < size<2>(tCrA) - 1) {
-      copy(copy_a, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1));
-      copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+      copy_k_slice(copy_a, tCsA, tCrA_view, k + 1);
+      copy_k_slice(copy_b, tCsB, tCrB_view, k + 1);
     }
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
   }
@@ -79,13 +191,11 @@ CUTE_DEVICE void gemm_rs(TensorAcc& acc, TensorRA const& tCrA, TensorRB& tCrB, T
   constexpr int kChunk = kCopiesN / kNChunks;
   CUTE_UNROLL
   for (int c = 0; c < kNChunks; ++c) {
-    CUTE_UNROLL
-    for (int j = c * kChunk; j < (c + 1) * kChunk; ++j) { copy(copy_b, tCsB(_, j, _0{}), tCrB_view(_, j, _0{})); }
+    copy_entries(copy_b, tCsB, tCrB_view, c * kChunk, (c + 1) * kChunk, 0);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tCrA); ++k) {
       if (k < size<2>(tCrA) - 1) {
-        CUTE_UNROLL
-        for (int j = c * kChunk; j < (c + 1) * kChunk; ++j) { copy(copy_b, tCsB(_, j, k + 1), tCrB_view(_, j, k + 1)); }
+        copy_entries(copy_b, tCsB, tCrB_view, c * kChunk, (c + 1) * kChunk, k + 1);
       }
       CUTE_UNROLL
       for (int n = c * kChunk * kAtomsPerCopy; n < (c + 1) * kChunk * kAtomsPerCopy; ++n) {

@@ -37,7 +37,8 @@ struct LaunchStatus {
 struct DeviceAttrs {
   int cc_major = 0;
   int num_sms = 0;
-  int smem_optin = 0;  // dynamic shared memory a block may opt in to
+  int smem_optin = 0;   // dynamic shared memory a block may opt in to
+  int smem_per_sm = 0;  // shared memory of one SM, shared by its resident blocks
 };
 
 inline LaunchStatus device_attrs(int device, DeviceAttrs& out) {
@@ -52,7 +53,8 @@ inline LaunchStatus device_attrs(int device, DeviceAttrs& out) {
   DeviceAttrs a;
   for (auto [attr, dst] : {std::pair{cudaDevAttrComputeCapabilityMajor, &a.cc_major},
                            std::pair{cudaDevAttrMultiProcessorCount, &a.num_sms},
-                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &a.smem_optin}}) {
+                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &a.smem_optin},
+                           std::pair{cudaDevAttrMaxSharedMemoryPerMultiprocessor, &a.smem_per_sm}}) {
     if (cudaError_t e = cudaDeviceGetAttribute(dst, attr, device)) { return LaunchStatus::cuda(e, "cudaDeviceGetAttribute"); }
   }
   if (cached) {

@@ -30,6 +30,18 @@ CUTE_DEVICE float quad_allreduce_sum(float x) {
   return x;
 }
 
+// Four per-row partial sums of a quad's lanes reduce-scattered over the quad: lane l gets the quad's
+// total of row l % 4 (3 shuffles; the sum then takes one register per thread instead of four).
+CUTE_DEVICE float quad_reduce_scatter_sum(float s0, float s1, float s2, float s3) {
+  int const lane = int(threadIdx.x) % 4;
+  bool const hi_pair = lane & 2;
+  float k0 = hi_pair ? s2 : s0, k1 = hi_pair ? s3 : s1;
+  k0 += __shfl_xor_sync(0xffffffff, hi_pair ? s0 : s2, 2);
+  k1 += __shfl_xor_sync(0xffffffff, hi_pair ? s1 : s3, 2);
+  bool const odd = lane & 1;
+  return (odd ? k1 : k0) + __shfl_xor_sync(0xffffffff, odd ? k0 : k1, 1);
+}
+
 // 2^x on the FMA/ALU pipes, for a share of a block's exponentials: MUFU.EX2 retires 16 results per
 // clock per SM, which at d <= 64 takes as long as the block's two GEMMs, while issue slots are free.
 // x = j + g with j = round(x) (adding 1.5 * 2^23 leaves j in the low mantissa bits) and g in
@@ -129,6 +141,81 @@ struct OnlineSoftmax {
       } else {
         row_sum(mi) += sum;
       }
+    }
+  }
+
+  // online() for kernels at the register limit: rescales on every block (no lazy rescale), one max
+  // and one sum chain per row rather than online()'s four (with the kNRows rows interleaved that is
+  // still kNRows independent chains), and with kQuadSum (kNRows = 4) the row sums reduce-scattered
+  // over the quad every block, so that row_sum(0) holds the total of row lane % 4 and three registers
+  // are free (finalize_lean). The row sum's order differs from online()'s, in the last bits.
+  template <bool kIsFirst, bool kQuadSum, class TensorS>
+  CUTE_DEVICE void online_lean(TensorS& S) {
+    static_assert(!kQuadSum || kNRows == 4);
+    static_assert(!kLazyRescale && kExpFmaPer16 == 0);
+    static_assert(decltype(cute::size<0>(S))::value == kNRows);
+    constexpr int kCols = decltype(cute::size<1>(S))::value;
+    rescale = !kIsFirst;
+    float sum[kNRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float block_max = S(mi, 0);
+      CUTE_UNROLL
+      for (int ni = 1; ni < kCols; ++ni) { block_max = fmaxf(block_max, S(mi, ni)); }
+      block_max = quad_allreduce_max(block_max);
+      float const m = fmaxf(row_max(mi), block_max);
+      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
+      row_max(mi) = m;
+      sum[mi] = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) {
+        S(mi, ni) = exp2f(S(mi, ni) * scale_log2 - m_scaled);
+        sum[mi] += S(mi, ni);
+      }
+    }
+    if constexpr (kQuadSum) {
+      float const block_sum = quad_reduce_scatter_sum(sum[0], sum[1], sum[2], sum[3]);
+      if constexpr (kIsFirst) {
+        row_sum(0) = block_sum;
+      } else {
+        int const lane = int(threadIdx.x) % 4;
+        float const c = lane & 2 ? (lane & 1 ? correction(3) : correction(2)) : (lane & 1 ? correction(1) : correction(0));
+        row_sum(0) = row_sum(0) * c + block_sum;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) { row_sum(mi) = kIsFirst ? sum[mi] : row_sum(mi) * correction(mi) + sum[mi]; }
+    }
+  }
+
+  // finalize() after online_lean: with kQuadSum each row's total comes from its lane.
+  template <bool kQuadSum, class TensorO, class TensorL>
+  CUTE_DEVICE void finalize_lean(TensorO& O, TensorL& lse, float scale_ln) {
+    if constexpr (kQuadSum) {
+      int const quad = int(threadIdx.x) & ~3 & 31;
+      CUTE_UNROLL
+      for (int mi = 0; mi < kNRows; ++mi) {
+        float const sum = __shfl_sync(0xffffffff, row_sum(0), quad + mi);
+        bool const empty = sum == 0.f || sum != sum;
+        float const inv = empty ? 0.f : 1.f / sum;
+        lse(mi) = empty ? -INFINITY : row_max(mi) * scale_ln + logf(sum);
+        CUTE_UNROLL
+        for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= inv; }
+      }
+    } else {
+      finalize(O, lse, scale_ln);
+    }
+  }
+
+  // O *= correction without the branch on `rescale` (the first block's correction is 1): for a
+  // caller that wants the multiplies in the same basic block as the GEMM that accumulates into O.
+  template <class TensorO>
+  CUTE_DEVICE void rescale_o_always(TensorO& O) const {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      CUTE_UNROLL
+      for (int di = 0; di < cute::size<1>(O); ++di) { O(mi, di) *= correction(mi); }
     }
   }
 

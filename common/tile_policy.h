@@ -11,12 +11,33 @@ struct FwdTile {
   int num_warps;
 };
 
-// Ampere-path forward (mma.sync + cp.async); also runs on sm_90 when that path is forced.
-// Shared memory: (block_m * d + 2 * block_n * d) * 2 bytes, e.g. hdim 128: 64 KB, hdim 256: 128 KB.
-constexpr FwdTile ampere_fwd_tile(int head_dim) {
+// Ampere-path forward (mma.sync + cp.async); also runs on sm_90 when that path is forced. Each warp
+// owns 16 rows of every 16 * num_warps-row slice of the query block.
+// Shared memory: (block_m * d + 2 * block_n * d) * 2 bytes, plus 1 KB of per-thread constants; hdim
+// 128: 64 KB. Above hdim 128 two tiles: 64 x 64 on 4 warps (hdim 256: 96 KB; two CTAs per SM on
+// sm_90, and it fits sm_86 / sm_89's 99 KB per block), which measured 3-13% faster on an H100 than
+// the wide 128 x 64 on 8 warps (128 KB), whose single CTA per SM stalls at every block barrier; the
+// wide tile is for SMs that hold one narrow CTA but fit a wide one (sm_80: 164 KB per SM), where it
+// keeps 8 warps per SM (ampere_fwd_wide).
+constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false) {
   return head_dim <= 64    ? FwdTile{128, 128, 4}
          : head_dim <= 128 ? FwdTile{128, 64, 4}
-                           : FwdTile{128, 64, 8};
+         : wide            ? FwdTile{128, 64, 8}
+                           : FwdTile{64, 64, 4};
+}
+
+// Build-time override of ampere_fwd_wide, to test the wide tile on any device: 0 never, 1 wherever
+// it fits, -1 the policy.
+#ifndef FLASHTILE_AMPERE_FWD_WIDE
+#define FLASHTILE_AMPERE_FWD_WIDE -1
+#endif
+
+// Whether the forward launches the wide tile: where the SM holds one CTA of the narrow tile and the
+// device admits the wide one (each resident block also reserves 1 KB of the SM's shared memory).
+constexpr bool ampere_fwd_wide(int narrow_bytes, int wide_bytes, int smem_per_sm, int smem_optin) {
+  if (wide_bytes > smem_optin) { return false; }
+  if (FLASHTILE_AMPERE_FWD_WIDE >= 0) { return FLASHTILE_AMPERE_FWD_WIDE == 1; }
+  return smem_per_sm < 2 * (narrow_bytes + 1024);
 }
 
 // Ampere-path backward: each CTA owns block_n keys and walks the query blocks of block_m rows. Three
