@@ -141,6 +141,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tQKp = col_predicate(tQcQ, p.head_dim);
   Tensor tVp = col_predicate(tdOcdO, p.head_dim_v);
   auto at_stage = [](auto const& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
+  bool const full_qk_cols = p.head_dim == kHeadDim;
+  bool const full_v_cols = p.head_dim_v == kHeadDimV;
   auto load_q_do = [&](int step) {
     auto tiles = q_tiles(step);
     int const stage = step % kQStages;
@@ -156,8 +158,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     Tensor tQsQ_s = at_stage(tQsQ, stage * Traits::kSmemQ);
     Tensor tdOsdO_s = at_stage(tdOsdO, stage * Traits::kSmemdO);
-    copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(get<0>(tiles)), tQsQ_s, tQcQ, tQKp, rows);
-    copy_tile(gmem_copy_v, gmem_thr_v.partition_S(get<1>(tiles)), tdOsdO_s, tdOcdO, tVp, rows);
+    // Whole tiles load unpredicated: the predicated copy's per-row branches, zero-fill stores and
+    // address recomputation cost more instructions than the loads themselves.
+    Tensor tQgQ = gmem_thr_qk.partition_S(get<0>(tiles));
+    Tensor tdOgdO = gmem_thr_v.partition_S(get<1>(tiles));
+    if (rows >= kBlockM && full_qk_cols) {
+      copy(gmem_copy_qk, tQgQ, tQsQ_s);
+    } else {
+      copy_tile(gmem_copy_qk, tQgQ, tQsQ_s, tQcQ, tQKp, rows);
+    }
+    if (rows >= kBlockM && full_v_cols) {
+      copy(gmem_copy_v, tdOgdO, tdOsdO_s);
+    } else {
+      copy_tile(gmem_copy_v, tdOgdO, tdOsdO_s, tdOcdO, tVp, rows);
+    }
   };
 
   // S = Q K^T and dP = dO V^T.
