@@ -1,6 +1,7 @@
 // mma.sync helpers for the Ampere path: warp-level GEMMs that stream operands from shared memory
 // through ldmatrix one k-slice ahead of the MMAs (whole tile, one row block, or column chunks, to
-// bound the registers live in the main loops), the register-layout views that let the softmax
+// bound the registers live in the main loops), ldmatrix sources addressed from one base register per
+// tile (LdsmXorSource), the register-layout views that let the softmax
 // address accumulators by (row, col) and feed P back as the A operand without shared memory, and
 // predicated copies and masking that keep per-thread coordinates to one base register.
 #pragma once
@@ -38,6 +39,8 @@ constexpr bool ldsm_xor_foldable() {
   return true;
 }
 
+// ldmatrix.x4 from a 32-bit shared-memory address (CuTe's SM75 LDSM atoms take a reference and
+// convert it back from a generic pointer).
 template <bool kTrans>
 CUTE_DEVICE void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
   if constexpr (kTrans) {

@@ -144,7 +144,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // online() for kernels at the register limit: rescales on every block (no lazy rescale), one max
+  // online() for kernels at the register limit: rescales on every block (no lazy rescale: pair it
+  // with rescale_o_always, `rescale` is not maintained), one max
   // and one sum chain per row rather than online()'s four (with the kNRows rows interleaved that is
   // still kNRows independent chains), and with kQuadSum (kNRows = 4) the row sums reduce-scattered
   // over the quad every block, so that row_sum(0) holds the total of row lane % 4 and three registers
@@ -155,7 +156,6 @@ struct OnlineSoftmax {
     static_assert(!kLazyRescale && kExpFmaPer16 == 0);
     static_assert(decltype(cute::size<0>(S))::value == kNRows);
     constexpr int kCols = decltype(cute::size<1>(S))::value;
-    rescale = !kIsFirst;
     float sum[kNRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
