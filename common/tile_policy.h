@@ -107,15 +107,19 @@ struct HopperFwdTile {
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
   // d <= 64: four K/V stages (160 KB with two Q stages) give the short blocks more loads in flight.
-  // d > 128: the overlapped schedule keeps a second P fragment live and spills (320 B at d = 256);
-  // the serial schedule with ping-pong compiles spill-free.
+  // d = 256: block_n 80 with the overlapped schedule (S, P and O: 40 + 20 + 128 registers of the 240)
+  // measured 1.06-1.24x the serial schedule with block_n 64 on an H100 at 1k-16k (causal 512: 0.95x);
+  // 80 needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (the 64 x 80 WGMMA atoms). d = 192: the overlapped
+  // schedule measured 1.02-1.13x the serial one with block_n 96; block_n 112 was faster only at 16k
+  // and lost 4-6% at causal 512-1k. Every head dim now runs the overlapped schedule; the serial one
+  // stays for FLASHTILE_HOPPER_SCHEDULE (measuring the overlap's gain).
   // Lazy rescaling measured +3-8% at d = 256 causal 4k and neutral at d = 128; at d = 64 (32 O
   // registers) the warp vote cost 4% (causal 1k, non-causal 4k).
   // exp2 on the FMA pipe: 2 of 16 at d = 64 measured +1-3%; at d = 128 every share tried was slower.
   HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false, 2}
                   : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true, 0}
-                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, false, true, true, 0}
-                             : HopperFwdTile{128, 64, 2, 24, 240, false, true, true, 0};
+                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, true, true, true, 0}
+                             : HopperFwdTile{128, 80, 2, 24, 240, true, true, true, 0};
   if (FLASHTILE_HOPPER_SCHEDULE >= 0) {
     t.intra_wg_overlap = FLASHTILE_HOPPER_SCHEDULE == 1 || FLASHTILE_HOPPER_SCHEDULE == 2;
     t.pingpong = FLASHTILE_HOPPER_SCHEDULE >= 2;

@@ -17,8 +17,8 @@
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
 // epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
 // are all in bounds leave by TMA store (one elected thread, which releases the Q stage once the store
-// has read it), others by 16-byte stores. The serial schedule (d > 128) stores O with both
-// warpgroups through registers. The LSE goes out directly.
+// has read it), others by 16-byte stores. The serial schedule (only under FLASHTILE_HOPPER_SCHEDULE)
+// stores O with both warpgroups through registers. The LSE goes out directly.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -277,17 +277,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
 
   // -------------------------------------------------------------- epilogue
-  // Overlap schedule: each warpgroup stores its own rows without meeting the other one.
-  auto epilogue = [&](TileWork const& w, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
-    SeqInfo const& seq = w.seq;
-    int const m_block = w.coord.m_block, bidh = w.coord.bidh, bidb = w.coord.bidb;
+  // Overlap schedule: each warpgroup stores its own rows without meeting the other one. The sequence
+  // geometry and the thread's fragment coordinates and staging addresses are recomputed here from the
+  // tile's coordinates rather than kept live across the mainloop: at d = 256 (O: 128 registers) that
+  // is what keeps the consumers within 240 registers without spills.
+  auto epilogue = [&](TileCoord const c, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
+    SeqInfo const seq(p, c.bidb);
+    int const m_block = c.m_block, bidh = c.bidh, bidb = c.bidb;
+    int const epi_thread = thread_idx_reread() - 128;
+    Tensor tOcO = rowcol(tiled_mma_pv.get_thread_slice(epi_thread).partition_C(
+        make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
     Tensor out = rowcol(tOrO);
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
     Tensor rO = convert_fragment<Element>(tOrO);
     Element* const stage = ss.smem_q.data() + q_state.index() * kQStageElems;
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
-    auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
+    auto smem_thr_o = smem_copy_o.get_thread_slice(epi_thread);
     copy(smem_copy_o, smem_thr_o.retile_S(rO),
          smem_thr_o.partition_D(as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(stage), typename Traits::SmemLayoutO{}))));
     int const wg_offset = typename Traits::SmemLayoutO{}(wg * 64, 0);  // this warpgroup's first row
@@ -333,9 +339,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return BandMask{w.seq.seqlen_q, w.seq.seqlen_k, p.window_left, p.window_right, kp.pack, kp.q_per_tile};
   };
   if constexpr (!Traits::kIntraWGOverlap) {
-    // Serial schedule (d > 128, every consumer register taken): both warpgroups meet, read O back and
-    // store it with predicated 16-byte stores. This form (partitions set up once, no TMA branch) is
-    // the one ptxas allocates without spills at d = 256.
+    // Serial schedule (FLASHTILE_HOPPER_SCHEDULE 0 or 3): both warpgroups meet, read O back and store it with predicated
+    // 16-byte stores.
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
     auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
     typename Traits::GmemTiledCopyO gmem_copy_o;
@@ -439,7 +444,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         turn.pass_turn(!next);
         warpgroup_wait<0>();
         pipeline_v.consumer_release(v_state);
-        epilogue(w, softmax, tOrO, q_read_state);
+        epilogue(w.coord, softmax, tOrO, q_read_state);
         ++q_read_state;
         if constexpr (Traits::kQStages == 1) { finish_store(); }  // the next Q goes to this stage
         if (!next) { break; }

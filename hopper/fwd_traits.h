@@ -11,6 +11,12 @@
 #include "common/tile_policy.h"
 #include "hopper/tile_scheduler.h"
 
+// block_n 80 (d = 256) takes the 64 x 80 WGMMA atoms, which CuTe's op selectors offer only with this
+// macro (cmake/cuda_flags.cmake); without it they would pick 64 x 16 and P could not feed the PV GEMM.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "flashtile's Hopper kernels need -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+#endif
+
 namespace flashtile::hopper {
 
 using namespace cute;
