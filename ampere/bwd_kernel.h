@@ -85,11 +85,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor gdK = local_tile(mdK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
   Tensor gdV = local_tile(mdV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(n_block, 0));
 
-  // Q and dO tiles of step `step` (num_steps > 0): query head bidh_k * group + step / num_m_blocks,
-  // query block m_block_min + step % num_m_blocks.
-  auto q_tiles = [&](int step) {
-    int const bidh = bidh_k * group + step / num_m_blocks;
-    int const m_block = m_block_min + step % num_m_blocks;
+  // Q and dO tiles of a step.
+  auto q_tiles = [&](BwdStep const& st) {
+    int const bidh = st.bidh, m_block = st.m_block;
     Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q) + seq.q_offset(p, bidb) + bidh * p.q_head_stride),
                             make_shape(seq.seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
     Tensor mdO = make_tensor(make_gmem_ptr(static_cast<Element const*>(b.dout) +
@@ -101,7 +99,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   extern __shared__ char smem_[];
   Element* smem = reinterpret_cast<Element*>(smem_);
-  // [Q x kQStages][dO x kQStages][K][V][P][dS][D x kQStages (fp32)]; a stage is a whole number of
+  // [Q x kQStages][dO x kQStages][K][V][P][dS][(D, LSE) x kQStages (fp32)]; a stage is a whole number of
   // swizzle periods, so a partition of stage 0 plus the stage's offset is the same partition of that stage.
   constexpr int kQStages = Traits::kQStages;
   constexpr int kOffdO = kQStages * Traits::kSmemQ;
@@ -143,18 +141,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto at_stage = [](auto const& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
   bool const full_qk_cols = p.head_dim == kHeadDim;
   bool const full_v_cols = p.head_dim_v == kHeadDimV;
-  auto load_q_do = [&](int step) {
-    auto tiles = q_tiles(step);
-    int const stage = step % kQStages;
-    int const m_block = m_block_min + step % num_m_blocks;
-    int const rows = seq.seqlen_q - m_block * kBlockM;
-    // D of the step's rows (0 past seqlen_q) rides in the same group: read from shared memory after
-    // the dP GEMM, it holds no registers during it.
-    if (tidx < kBlockM) {
-      int64_t const row_off = seq.lse_offset(p, bidb) + (bidh_k * group + step / num_m_blocks) * p.lse_head_stride;
-      bool const in = tidx < rows;
-      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b.dsoftmax_sum[row_off + m_block * kBlockM + (in ? tidx : 0)],
-                                                   sD[stage * kBlockM + tidx], in);
+  auto load_q_do = [&](BwdStep const& st, int stage) {
+    auto tiles = q_tiles(st);
+    int const rows = seq.seqlen_q - st.m_block * kBlockM;
+    // D and LSE of the step's rows ride in the same group (zero past seqlen_q; the LSE reader
+    // substitutes +inf there): read from shared memory after the GEMMs, they hold no registers
+    // during them.
+    if (tidx < 2 * kBlockM) {
+      int const r = tidx % kBlockM;
+      int64_t const row_off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + st.m_block * kBlockM;
+      bool const in = r < rows;
+      float const* src = tidx < kBlockM ? b.dsoftmax_sum : b.lse_log2;
+      SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(src[row_off + (in ? r : 0)], sD[stage * 2 * kBlockM + tidx], in);
     }
     Tensor tQsQ_s = at_stage(tQsQ, stage * Traits::kSmemQ);
     Tensor tdOsdO_s = at_stage(tdOsdO, stage * Traits::kSmemdO);
@@ -239,27 +237,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     Tensor tVsV = gmem_thr_v.partition_D(sV);
     copy_tile(gmem_copy_qk, gmem_thr_qk.partition_S(gK), tKsK, tKcK, tQKp, rows_k);
     copy_tile(gmem_copy_v, gmem_thr_v.partition_S(gV), tVsV, tVcV, tVp, rows_k);
-    load_q_do(0);
+    load_q_do(BwdStep(bidh_k, group, m_block_min), 0);
     cp_async_fence();
   }
 
+  BwdStep st(bidh_k, group, m_block_min);
   for (int step = 0; step < num_steps; ++step) {
-    int const bidh = bidh_k * group + step / num_m_blocks;
-    int const m_block = m_block_min + step % num_m_blocks;
-    int64_t const row_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-    // Per-row LSE (exp2 domain) of this thread's score rows; rows past seqlen_q get P = 0.
-    float lse_log2[kRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      int const row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
-      lse_log2[mi] = row < seq.seqlen_q ? b.lse_log2[row_off + row] : INFINITY;
-    }
+    int const bidh = st.bidh, m_block = st.m_block;
+    auto next = [&] {
+      BwdStep n = st;
+      n.advance(m_block_min, m_block_max);
+      return n;
+    };
     int const q_off = (step % kQStages) * Traits::kSmemQ;
     int const do_off = (step % kQStages) * Traits::kSmemdO;
+    float const* const stage_d = sD + (step % kQStages) * 2 * kBlockM;
+    float const* const stage_lse = stage_d + kBlockM;
     cp_async_wait<0>();  // this step's group, the only one in flight
-    __syncthreads();  // this step's Q/dO/D (and K/V) visible; every thread is done with the previous step
+    __syncthreads();  // this step's Q/dO/D/LSE (and K/V) visible; every thread is done with the previous step
     if constexpr (kQStages > 1) {
-      if (step + 1 < num_steps) { load_q_do(step + 1); }
+      if (step + 1 < num_steps) { load_q_do(next(), (step + 1) % kQStages); }
       cp_async_fence();
     }
 
@@ -300,9 +297,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         CUTE_UNROLL
         for (int r = 0; r < kRowsPerBlock; ++r) {
           int const mi = r + m * kRowsPerBlock;
+          // LSE in the exp2 domain; rows past seqlen_q get +inf, so P = 0 there.
+          int const row = get<0>(tScS_rc(mi, 0));
+          float const lse_log2 = m_block * kBlockM + row < seq.seqlen_q ? stage_lse[row] : INFINITY;
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(probs); ++ni) {
-            probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2[mi]);
+            probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2);
           }
         }
         convert_rows(acc_p, rP, m);
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       CUTE_UNROLL
       for (int r = 0; r < kDpRows; ++r) {
         int const mi = r + m0 * kRowsPerBlock;
-        float const dsum = sD[(step % kQStages) * kBlockM + get<0>(tScS_rc(mi, 0))];
+        float const dsum = stage_d[get<0>(tScS_rc(mi, 0))];
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(dp); ++ni) {
           float ds = probs(mi, ni) * (dp(mi, ni) - dsum);
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kQStages == 1) {
       __syncthreads();  // every thread is done with this step's Q and dO
-      if (step + 1 < num_steps) { load_q_do(step + 1); }
+      if (step + 1 < num_steps) { load_q_do(next(), 0); }
       cp_async_fence();
     }
 
@@ -362,6 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     Tensor tdQgdQacc = thr_dq.partition_C(gdQacc);
     red_add_fragment(acc_dq, tdQgdQacc);
     if (b.deterministic) { pass_dq_turn(semaphore); }
+    st.advance(m_block_min, m_block_max);
   }
 
   // Epilogue: dK (scaled once here) and dV through shared memory (K's and V's regions) to global.

@@ -66,7 +66,7 @@ struct BwdTraits {
   static constexpr int kSmemPdS = cosize(SmemLayoutPdS{});
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * (kQStages * (kSmemQ + kSmemdO) + kSmemK + kSmemV + 2 * kSmemPdS) +
-      int(sizeof(float)) * kQStages * kBlockM;  // D of each stage's rows
+      int(sizeof(float)) * kQStages * 2 * kBlockM;  // D and LSE of each stage's rows
 };
 
 }  // namespace flashtile::ampere

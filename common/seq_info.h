@@ -112,4 +112,17 @@ CUTE_DEVICE void q_block_range(FtFwdParams const& p, SeqInfo const& s, int n_blo
   }
 }
 
+// The (query head, query block) of a step of a CTA's walk, query block fastest. Advanced step by step
+// rather than derived from the step index: that took two integer divisions per step and thread.
+struct BwdStep {
+  int bidh, m_block;
+  CUTE_DEVICE BwdStep(int bidh_k, int group, int m_block_min) : bidh(bidh_k * group), m_block(m_block_min) {}
+  CUTE_DEVICE void advance(int m_block_min, int m_block_max) {
+    if (++m_block == m_block_max) {
+      m_block = m_block_min;
+      ++bidh;
+    }
+  }
+};
+
 }  // namespace flashtile

@@ -70,19 +70,6 @@ struct BwdKernelParams {
   TmadQ tma_dq;
 };
 
-// The (query head, query block) of a step of a CTA's walk, query block fastest. Advanced step by step
-// rather than derived from the step index: that took two integer divisions per step and thread.
-struct BwdStep {
-  int bidh, m_block;
-  CUTE_DEVICE BwdStep(int bidh_k, int group, int m_block_min) : bidh(bidh_k * group), m_block(m_block_min) {}
-  CUTE_DEVICE void advance(int m_block_min, int m_block_max) {
-    if (++m_block == m_block_max) {
-      m_block = m_block_min;
-      ++bidh;
-    }
-  }
-};
-
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
