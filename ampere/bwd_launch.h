@@ -25,14 +25,19 @@ LaunchStatus run_bwd_traits(BwdParams const& params, cudaStream_t stream) {
   return launch_bwd_postprocess<Element>(params, stream);
 }
 
-// The large-shared-memory tile where it differs from the default and the device allows it.
+// The large-shared-memory tile where it differs from the default and the device allows it; the small
+// one where the device does not allow the default (sm_86 / sm_89) or FLASHTILE_AMPERE_BWD_SMALL = 1.
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   using Traits = BwdTraits<Element, kHeadDim, kHeadDimV>;
   using TraitsLarge = BwdTraits<Element, kHeadDim, kHeadDimV, true>;
+  using TraitsSmall = BwdTraits<Element, kHeadDim, kHeadDimV, false, true>;
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(params.fwd.abi.device, attrs); !s.ok()) { return s; }
+  if (FLASHTILE_AMPERE_BWD_SMALL == 1 || attrs.smem_optin < Traits::kSmemBytes) {
+    return run_bwd_traits<TraitsSmall, kIsBand, kHasSoftcap>(params, stream);
+  }
   if constexpr (TraitsLarge::kSmemBytes != Traits::kSmemBytes) {
-    DeviceAttrs attrs;
-    if (LaunchStatus s = device_attrs(params.fwd.abi.device, attrs); !s.ok()) { return s; }
     if (attrs.smem_optin >= TraitsLarge::kSmemBytes) {
       return run_bwd_traits<TraitsLarge, kIsBand, kHasSoftcap>(params, stream);
     }

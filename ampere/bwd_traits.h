@@ -14,13 +14,14 @@ namespace flashtile::ampere {
 
 using namespace cute;
 
-// kLargeSmem: the tile for devices that allow more than sm_80's 163 KB per block (tile policy).
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kLargeSmem = false>
+// kLargeSmem: the tile for devices that allow more than sm_80's 163 KB per block; kSmallSmem: the
+// tile for devices that allow less than the default one needs (tile policy).
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kLargeSmem = false, bool kSmallSmem = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kLargeSmem);
+  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kLargeSmem, kSmallSmem);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;

@@ -102,7 +102,7 @@ typedef struct FtFwdParams {
 //                 ceil(seqlen_q / FT_BWD_SEMAPHORE_ROWS) elements, zeroed by the caller
 // Rows of dq/dk/dv outside every sequence (varlen gaps, rows past seqused_k) are not written: a caller
 // that needs them defined zero-fills those tensors.
-#define FT_BWD_SEMAPHORE_ROWS 64
+#define FT_BWD_SEMAPHORE_ROWS 32
 #define FT_BWD_ACCUM_ROW_PAD 128
 
 typedef struct FtBwdParams {

@@ -71,7 +71,25 @@ struct BwdTile {
 // Double-buffered Q/dO where the total stays within sm_80's 163 KB. d = 256 needs 208 KB for it, so
 // only devices with large_smem (sm_90: 227 KB) get it; elsewhere it is single-buffered and a step's
 // Q/dO load has only the dQ GEMM to land behind.
-constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false) {
+// small_smem: devices whose blocks get less than these tiles need (sm_86 / sm_89: 99 KB) take tiles of
+// at most 99 KB: d = 64: 97 KB, 96: 89 KB, 128 (one Q/dO stage): 81 KB, 192 (block_m 32): 81 KB,
+// 256 (32 x 32 on 4 warps, one stage): 68 KB.
+constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
+  return head_dim <= 64    ? BwdTile{64, 128, 8, 2, 4, 2, 2, 900}
+         : head_dim <= 96  ? BwdTile{64, 64, 8, 4, 4, 4, 2, 0}
+         : head_dim <= 128 ? BwdTile{64, 64, 8, 4, 2, 2, 1, 0}
+         : head_dim <= 192 ? BwdTile{32, 64, 8, 2, 2, 2, 1, 0}
+                           : BwdTile{32, 32, 4, 2, 2, 2, 1, 0};
+}
+
+// Build-time override of the backward's small-tile choice, to test the small tiles on any device:
+// 1 always, -1 the policy (where the default tile does not fit).
+#ifndef FLASHTILE_AMPERE_BWD_SMALL
+#define FLASHTILE_AMPERE_BWD_SMALL -1
+#endif
+
+constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false) {
+  if (small_smem) { return ampere_bwd_tile_small(head_dim); }
   return head_dim <= 64    ? BwdTile{128, 128, 8, 4, 4, 4, 2, 900}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 900}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 900}

@@ -12,7 +12,7 @@ import os
 import threading
 
 ABI_VERSION = 5  # must equal FT_ABI_VERSION in common/flash_api.h
-BWD_SEMAPHORE_ROWS = 64  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
+BWD_SEMAPHORE_ROWS = 32  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
 
 # FtStatus

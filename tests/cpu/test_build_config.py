@@ -624,3 +624,25 @@ def test_loader_rejects_missing_build_config(library_copy):
     os.remove(library_copy / "build_config.json")
     with pytest.raises(flashtile.LibraryNotAvailableError, match=r"build_config\.json is missing"):
         _lib.lib()
+
+
+# ---- Ampere backward small-shared-memory tiles ----------------------------------------------------------
+
+def _small_bwd_tiles():
+    body = re.search(r"constexpr BwdTile ampere_bwd_tile_small\(int head_dim\) \{(.*?)\n\}", _header(TILE_POLICY_H), re.S).group(1)
+    tiles = [tuple(int(x) for x in t.split(",")) for t in re.findall(r"BwdTile\{([^}]*)\}", body)]
+    limits = [int(x) for x in re.findall(r"head_dim <= (\d+)", body)] + [256]
+    return dict(zip(limits, tiles))
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_small_bwd_tile_fits_sm86_and_its_warp_layouts(d):
+    # Mirrors BwdTraits::kSmemBytes: 16-bit Q/dO stages, K, V, P, dS, fp32 D and LSE per stage.
+    bm, bn, warps, wm_sdp, wn_dkv, wm_dq, q_stages, _ = _small_bwd_tiles()[d]
+    smem = 2 * (q_stages * 2 * bm * d + 2 * bn * d + 2 * bm * bn) + 4 * q_stages * 2 * bm
+    assert smem <= 99 * 1024  # sm_86 / sm_89 per-block opt-in maximum
+    assert bm % _lib.BWD_SEMAPHORE_ROWS == 0  # deterministic-mode semaphores are per 32 query rows
+    assert 2 * bm <= 32 * warps  # one thread per row loads D and one the LSE
+    # Each warp takes 16 x 16 per step of each GEMM: (bm, bn), (bn, d), (bm, d).
+    for rows, cols, wm in ((bm, bn, wm_sdp), (bn, d, wn_dkv), (bm, d, wm_dq)):
+        assert warps % wm == 0 and rows % (16 * wm) == 0 and cols % (16 * (warps // wm)) == 0
