@@ -67,7 +67,9 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, 2, GMMA::Major::K, GMMA::Major::K>,
+  // std::conditional_t instantiates both branches: the unused swapped one keeps kWgM = 1 so that its
+  // per-warpgroup M stays a WGMMA M (64) when block_n = 64.
+  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, kSwapSdP ? 2 : 1, GMMA::Major::K, GMMA::Major::K>,
                                          TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
   using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
                                         TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;
