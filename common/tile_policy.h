@@ -122,7 +122,7 @@ struct HopperFwdTile {
 #define FLASHTILE_EXP_FMA_PER16 -1
 #endif
 
-constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool is_band = false) {
+constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
   // d <= 64: four K/V stages (160 KB with two Q stages) give the short blocks more loads in flight.
   // d = 256: block_n 80 with the overlapped schedule (S, P and O: 40 + 20 + 128 registers of the 240)
@@ -135,7 +135,7 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool is_ba
   // registers) the warp vote cost 4% (causal 1k, non-causal 4k).
   // exp2 on the FMA pipe: 2 of 16 at d = 64 measured +1-3%; at d = 128 every share tried was slower.
   // Non-causal block_n 160-192 (FA3: 176 at d = 128) measured slower at d = 128 and below 4k at d = 64
-  // (benchmarks/NOTES.md, session 7), so is_band does not change the tile yet.
+  // (benchmarks/NOTES.md, session 7): both mask kinds take the same tile.
   HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false, 2}
                   : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true, 0}
                   : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, true, true, true, 0}

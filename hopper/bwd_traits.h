@@ -67,9 +67,9 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  // std::conditional_t instantiates both branches: the unused swapped one keeps kWgM = 1 so that its
-  // per-warpgroup M stays a WGMMA M (64) when block_n = 64.
-  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, kSwapSdP ? 2 : 1, GMMA::Major::K, GMMA::Major::K>,
+  // S^T / dP^T rows are keys, split between the warpgroups as dK/dV's are (std::conditional_t also
+  // instantiates the unused branch, which kWgMdKV keeps a valid WGMMA shape).
+  using TiledMmaSdP = std::conditional_t<kSwapSdP, TiledMmaOf<kBlockN, kBlockM, kHeadDim, kWgMdKV, GMMA::Major::K, GMMA::Major::K>,
                                          TiledMmaOf<kBlockM, kBlockN, kHeadDim, kWgMSdP, GMMA::Major::K, GMMA::Major::K>>;
   using TiledMmadK = std::conditional_t<kSwapSdP, TiledMmadKVRS<kHeadDim>,
                                         TiledMmaOf<kBlockN, kHeadDim, kBlockM, kWgMdKV, GMMA::Major::MN, GMMA::Major::MN>>;

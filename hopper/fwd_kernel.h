@@ -107,6 +107,15 @@ CUTE_DEVICE void load_q_packed(CUtensorMap const& desc, uint64_t* barrier, typen
   }
 }
 
+// threadIdx.x read anew (volatile: never merged with an earlier read), so that what is derived from it
+// (a thread's fragment coordinates and shared-memory addresses) is recomputed where it is used rather
+// than held in registers across a mainloop.
+CUTE_DEVICE int thread_idx_reread() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 template <class Traits, bool kIsBand, bool kHasSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(__grid_constant__ FwdKernelParams<Traits> const kp) {

@@ -59,7 +59,7 @@ LaunchStatus encode_q_packed(FtFwdParams const& p, int pack, int q_per_tile, CUt
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV, kIsBand>;
+  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
   using KP = FwdKernelParams<Traits>;
   FtFwdParams const& p = params.abi;
   auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;

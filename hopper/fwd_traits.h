@@ -27,13 +27,13 @@ using SmemAtomKMajor = std::conditional_t<
     kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<T>,
     std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<T>, GMMA::Layout_K_SW32_Atom<T>>>;
 
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kIsBand_>
+template <class Element_, int kHeadDim_, int kHeadDimV_>
 struct FwdTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr HopperFwdTile kTile = hopper_fwd_tile(kHeadDim, kHeadDimV, kIsBand_);
+  static constexpr HopperFwdTile kTile = hopper_fwd_tile(kHeadDim, kHeadDimV);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;

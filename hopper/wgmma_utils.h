@@ -52,13 +52,4 @@ CUTE_HOST_DEVICE constexpr auto acc_to_a_layout(Layout const& acc) {
   return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(v)), get<1>(acc), get<1>(v));
 }
 
-// threadIdx.x read anew (volatile: never merged with an earlier read), so that what is derived from it
-// (a thread's fragment coordinates and shared-memory addresses) is recomputed where it is used rather
-// than held in registers across a mainloop.
-CUTE_DEVICE int thread_idx_reread() {
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
-}
-
 }  // namespace flashtile::hopper
