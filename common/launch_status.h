@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -87,6 +88,39 @@ inline LaunchStatus opt_in_smem(void const* kernel, int device, int smem_bytes) 
   }
   std::lock_guard<std::mutex> lock(mutex);
   done.insert({kernel, device});
+  return {};
+}
+
+// How many clusters of `cluster_size` CTAs (threads, smem_bytes each, along x) can be resident at once:
+// a persistent grid larger than that would leave whole clusters waiting for a second wave. Once per
+// (kernel, device); the kernel's shared-memory opt-in must already be done.
+inline LaunchStatus max_active_clusters(void const* kernel, int device, int threads, int smem_bytes, int cluster_size,
+                                        int& out) {
+  static std::mutex mutex;
+  static std::map<std::pair<void const*, int>, int> done;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = done.find({kernel, device}); it != done.end()) {
+      out = it->second;
+      return {};
+    }
+  }
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster_size);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(cluster_size));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  if (cudaError_t e = cudaOccupancyMaxActiveClusters(&out, kernel, &config)) {
+    return LaunchStatus::cuda(e, "cudaOccupancyMaxActiveClusters");
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  done[{kernel, device}] = out;
   return {};
 }
 

@@ -110,6 +110,10 @@ struct HopperFwdTile {
   bool pingpong;          // alternate the two consumer warpgroups' GEMMs via named barriers
   bool lazy_rescale;      // rescale O only when a row max moves enough (OnlineSoftmax::kRescaleLog2)
   int exp_fma_per16;      // exponentials per 16 score columns computed on the FMA pipe (exp2_fma)
+  // CTAs per cluster along the query blocks; > 1: the CTAs of a cluster run adjacent query blocks of
+  // one (head, batch) and each loads 1 / cluster_m of every K/V block, multicast by TMA to all of
+  // them (non-band masks on fixed-length batches; other problems run the cluster-less kernel).
+  int cluster_m;
 };
 
 // Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
@@ -120,6 +124,10 @@ struct HopperFwdTile {
 // Build-time override of HopperFwdTile::exp_fma_per16 (0-16); -1 = policy.
 #ifndef FLASHTILE_EXP_FMA_PER16
 #define FLASHTILE_EXP_FMA_PER16 -1
+#endif
+// Build-time override of HopperFwdTile::cluster_m (1 or 2); -1 = policy.
+#ifndef FLASHTILE_HOPPER_CLUSTER
+#define FLASHTILE_HOPPER_CLUSTER -1
 #endif
 
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
@@ -136,15 +144,18 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   // exp2 on the FMA pipe: 2 of 16 at d = 64 measured +1-3%; at d = 128 every share tried was slower.
   // Non-causal block_n 160-192 (FA3: 176 at d = 128) measured slower at d = 128 and below 4k at d = 64
   // (benchmarks/NOTES.md, session 7): both mask kinds take the same tile.
-  HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false, 2}
-                  : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true, 0}
-                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, true, true, true, 0}
-                             : HopperFwdTile{128, 80, 2, 24, 240, true, true, true, 0};
+  // K/V multicast across 2-CTA clusters (non-band masks) measured +1-2.5% at d = 64, 128 and 256,
+  // 512-16k, and no shape slower (benchmark protocol, two rounds, benchmarks/NOTES.md session 8).
+  HopperFwdTile t = d <= 64   ? HopperFwdTile{128, 128, 4, 24, 240, true, true, false, 2, 2}
+                  : d <= 128 ? HopperFwdTile{128, 128, 2, 24, 240, true, true, true, 0, 2}
+                  : d <= 192 ? HopperFwdTile{128, 96, 2, 24, 240, true, true, true, 0, 2}
+                             : HopperFwdTile{128, 80, 2, 24, 240, true, true, true, 0, 2};
   if (FLASHTILE_HOPPER_SCHEDULE >= 0) {
     t.intra_wg_overlap = FLASHTILE_HOPPER_SCHEDULE == 1 || FLASHTILE_HOPPER_SCHEDULE == 2;
     t.pingpong = FLASHTILE_HOPPER_SCHEDULE >= 2;
   }
   if (FLASHTILE_EXP_FMA_PER16 >= 0) { t.exp_fma_per16 = FLASHTILE_EXP_FMA_PER16; }
+  if (FLASHTILE_HOPPER_CLUSTER > 0) { t.cluster_m = FLASHTILE_HOPPER_CLUSTER; }
   return t;
 }
 

@@ -73,7 +73,7 @@ CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask con
 // start and end inside the tile.
 template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
           class TensorK, class TensorV, class TensorO, class TensorC, class Softmax>
-CUTE_DEVICE void serial_mainloop(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
+CUTE_DEVICE void serial_mainloop(Pipeline const& pipeline_k, Pipeline const& pipeline_v, PipelineState& read_state,
                                  TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV, TensorO& tOrO,
                                  TensorC const& tScS, BandMask const& mask, Softmax& softmax, float softcap_scale,
                                  int m_block, int n_block_min, int n_block_max, PingPong<Traits> const& turn) {
@@ -128,7 +128,7 @@ CUTE_DEVICE void first_block_softmax(TensorS& tSrS, TensorP& tOrP, TensorC const
 // stage, on return the last block's; its PV GEMM is left to the caller (the tile's tail turn).
 template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
           class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax>
-CUTE_DEVICE void overlap_body(Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& read_state,
+CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeline_v, PipelineState& read_state,
                               PipelineState& v_state, TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV,
                               TensorO& tOrO, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,
                               Softmax& softmax, float softcap_scale, int m_block, int n_block_min, int n_block_max,

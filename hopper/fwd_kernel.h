@@ -1,10 +1,13 @@
 // Hopper forward kernel (sm_90a): warp-specialized TMA producer + WGMMA consumers.
 //
-// Roles (persistent: one CTA per SM takes tiles from the dynamic scheduler of hopper/tile_scheduler.h):
+// Roles (persistent: one CTA per SM takes tiles from the scheduler of hopper/tile_scheduler.h):
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
 //                (kQStages-deep: the next tile's Q loads during the current tile where shared memory
 //                allows) and of its K and V blocks (last block first) into kStages-deep pipelines,
 //                then fetches the next tile and hands its coordinates to the consumers (TileHandoff).
+//                Clusters (kClusterM > 1): the CTAs of a cluster run adjacent query blocks with the same
+//                K/V blocks; each producer loads 1 / kClusterM of every K/V block and TMA multicasts it
+//                to all of them, so each block crosses from L2 once per cluster.
 //   warpgroups 1..kNMmaWarpGroups  consumers: setmaxnreg up; each owns 64 query rows and runs
 //                S = Q K^T (WGMMA, both operands in shared memory), mask + online softmax in
 //                registers, O += P V (WGMMA, P from registers, V read MN-major); the schedule
@@ -12,7 +15,8 @@
 // Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
-// read out of it).
+// read out of it). In a cluster a K/V stage takes one arrival per consumer warpgroup of every CTA
+// (ConsumerPipeline), and a producer stays until its stages are all released (producer_tail).
 // Overlap schedule: the ping-pong turns run on across tiles (a tile's tail turn, its last PV GEMM, is
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
 // epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
@@ -44,16 +48,18 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
-template <class Traits>
+// kClusterM > 1: K and V load through multicast TMA, each CTA of the cluster one 1 / kClusterM slice.
+template <class Traits, int kClusterM = 1>
 struct FwdKernelParams {
   using Element = typename Traits::Element;
   using GmemQKV = GmemTensor<Element const>;
+  using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
                                       select<0, 2>(typename Traits::TileShapeQK{}), _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutK{}),
-                                      select<1, 2>(typename Traits::TileShapeQK{}), _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutV{}),
-                                      select<2, 1>(typename Traits::TileShapePV{}), _1{}));
+  using TmaK = decltype(make_tma_copy(TmaLoadKV{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutK{}),
+                                      select<1, 2>(typename Traits::TileShapeQK{}), Int<kClusterM>{}));
+  using TmaV = decltype(make_tma_copy(TmaLoadKV{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutV{}),
+                                      select<2, 1>(typename Traits::TileShapePV{}), Int<kClusterM>{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor<Element>{}, typename Traits::SmemLayoutOWG{},
                                       typename Traits::TileShapeOWG{}, _1{}));
   FwdParams fwd;
@@ -116,9 +122,33 @@ CUTE_DEVICE int thread_idx_reread() {
   return t;
 }
 
-template <class Traits, bool kIsBand, bool kHasSoftcap>
+// A K/V pipeline as the consumers see it. In a cluster each warpgroup's release of a stage must reach
+// every CTA's empty barrier once; PipelineTmaAsync chooses its signalling threads at construction and
+// keeps that choice in two registers through the mainloop (at d = 256 they spill). Here lane 0 of the
+// warpgroup's warp r signals CTA r, recomputed from the thread index at each release.
+template <class Pipeline, int kClusterM>
+struct ConsumerPipeline {
+  Pipeline& pipeline;
+  typename Pipeline::SharedStorage& storage;
+
+  template <class State>
+  CUTE_DEVICE void consumer_wait(State const& state) const { pipeline.consumer_wait(state); }
+
+  template <class State>
+  CUTE_DEVICE void consumer_release(State const& state) const {
+    if constexpr (kClusterM == 1) {
+      pipeline.consumer_release(state);
+    } else {
+      int const t = thread_idx_reread();
+      uint32_t const warp = uint32_t(t / 32) % 4;
+      storage.empty_barrier_[state.index()].arrive(warp, t % 32 == 0 && warp < kClusterM);
+    }
+  }
+};
+
+template <class Traits, bool kIsBand, bool kHasSoftcap, int kClusterM>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(__grid_constant__ FwdKernelParams<Traits> const kp) {
+    fwd_kernel(__grid_constant__ FwdKernelParams<Traits, kClusterM> const kp) {
   using Element = typename Traits::Element;
   using MainloopPipeline = typename Traits::MainloopPipeline;
   using PipelineState = typename Traits::PipelineState;
@@ -126,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDimV = Traits::kHeadDimV;
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
+  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
                                      kp.heads_per_section, p.tile_counter};
 
   extern __shared__ __align__(1024) char smem_buf[];
@@ -157,13 +187,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   pipe_params_q.transaction_bytes = kp.tma_bytes_q;
   typename Traits::PipelineQ pipeline_q(ss.pipeline_q, pipe_params_q, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Traits::kTmaBytesK;
-  MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  // K/V: a stage is free again once the consumers of every CTA of the cluster have released it (the
+  // pipeline spreads each warpgroup's release over the cluster's CTAs); the transaction bytes stay a
+  // whole block, since every CTA receives all of it.
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+  MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, ClusterShape{});
   pipe_params.transaction_bytes = Traits::kTmaBytesV;
-  MainloopPipeline pipeline_v(ss.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  MainloopPipeline pipeline_v(ss.pipeline_v, pipe_params, ClusterShape{});
+  // Q is the CTA's own: its stages are released by arrivals on this CTA's barrier. (PipelineTmaAsync
+  // built for a cluster of one would send them to the cluster's first CTA.)
+  auto release_q = [&](int stage) { ss.pipeline_q.empty_barrier_[stage].arrive(); };
   TileHandoff const handoff{ss.handoff};
   if (threadIdx.x == 0) { handoff.init(Traits::kNMmaThreads); }
   cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  if constexpr (kClusterM > 1) {
+    // The other CTAs' multicast loads and releases reach this CTA's barriers: all initialized first.
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  } else {
+    __syncthreads();
+  }
 
   if (warp_group_idx == 0) {
     // ---------------------------------------------------------------- producer (warp 0)
@@ -173,6 +216,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+    int const cluster_rank = int(blockIdx.x) % kClusterM;
+    uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
     auto produce_tile = [&](TileWork const& w) {
       int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
@@ -183,14 +228,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor gV = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<2, 1>(typename Traits::TileShapePV{}), make_coord(_, _0{}));
       auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(kp.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(kp.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto [tKgK, tKsK] = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
       // The first K block goes out before the Q stage may have to wait for an earlier tile's O.
       int n_block = w.n_block_max - 1;
       pipeline_k.producer_acquire(write_state);
       if (lane_predicate) {
-        copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block), tKsK(_, write_state.index()));
+        copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), tKgK(_, n_block), tKsK(_, write_state.index()));
       }
       pipeline_q.producer_acquire(q_write_state);
       if (lane_predicate) {
@@ -205,17 +250,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ++q_write_state;
       pipeline_v.producer_acquire(write_state);
       if (lane_predicate) {
-        copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block), tVsV(_, write_state.index()));
+        copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
       }
       ++write_state;
       for (--n_block; n_block >= w.n_block_min; --n_block) {
         pipeline_k.producer_acquire(write_state);
         if (lane_predicate) {
-          copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block), tKsK(_, write_state.index()));
+          copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), tKgK(_, n_block), tKsK(_, write_state.index()));
         }
         pipeline_v.producer_acquire(write_state);
         if (lane_predicate) {
-          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block), tVsV(_, write_state.index()));
+          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
         }
         ++write_state;
       }
@@ -223,14 +268,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto handoff_state = TileHandoff::producer_start_state();
     int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
     int const num_tiles = sched.num_tiles();
-    for (int idx = blockIdx.x; idx < num_tiles;) {
+    for (int idx = sched.first(); idx < num_tiles;) {
       // The next index is fetched first so the atomic's latency hides behind this tile's loads.
       int next = 0;
-      if (lane_predicate) { next = sched.fetch_next(); }
+      if (lane_predicate) { next = sched.fetch_next(idx); }
       TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx), kp.q_per_tile);
       if (w.active) { produce_tile(w); }
       idx = __shfl_sync(0xffffffff, next, leader_lane);
       handoff.producer_publish(handoff_state, idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone, lane_predicate);
+    }
+    if constexpr (kClusterM > 1) {
+      // Stay until every stage has been released by all CTAs of the cluster: no release from another
+      // CTA may arrive here after this CTA has exited.
+      pipeline_k.producer_tail(write_state);
+      pipeline_v.producer_tail(write_state);
     }
     return;
   }
@@ -240,6 +291,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kQStageElems = int(cosize_v<typename Traits::SmemLayoutQ>) / Traits::kQStages;
   int const thread_idx = int(threadIdx.x) - 128;
   int const wg = warp_group_idx - 1;  // this consumer warpgroup, 0-based
+  ConsumerPipeline<MainloopPipeline, kClusterM> const consumer_k{pipeline_k, ss.pipeline_k};
+  ConsumerPipeline<MainloopPipeline, kClusterM> const consumer_v{pipeline_v, ss.pipeline_v};
   int const wg_thread = thread_idx % 128;
   bool const store_leader = wg_thread == 0;  // issues the warpgroup's TMA stores
   typename Traits::TiledMmaQK tiled_mma_qk;  // partitioning only; the mainloop owns the MMA state
@@ -280,7 +333,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto finish_store = [&] {
     if (store_q_stage >= 0) {
       tma_store_wait<0>();
-      pipeline_q.consumer_release(typename Traits::PipelineStateQ(store_q_stage, 0, 0));
+      release_q(store_q_stage);
       store_q_stage = -1;
     }
   };
@@ -314,7 +367,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       store_o_rows_packed<typename Traits::SmemLayoutOWG>(
           stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb), p.o_row_stride, p.o_head_stride,
           wg * 64, q0, h0, kp.pack, rows_used, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
-      pipeline_q.consumer_release(q_state);
+      release_q(q_state.index());
       return;
     }
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
@@ -333,7 +386,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         tma_store_arrive();
         store_q_stage = q_state.index();
       } else {
-        pipeline_q.consumer_release(q_state);
+        release_q(q_state.index());
       }
       return;
     }
@@ -341,7 +394,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_o_rows_from_smem<typename Traits::SmemLayoutOWG>(
         stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride, p.o_row_stride,
         row0, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
-    pipeline_q.consumer_release(q_state);
+    release_q(q_state.index());
   };
 
   auto make_mask = [&](TileWork const& w) {
@@ -356,7 +409,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto gmem_thr_o = gmem_copy_o.get_thread_slice(thread_idx);
     Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     // `continue` also goes through the hand-off (the loop's increment).
-    for (TileCoord coord = sched.tile(blockIdx.x); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
+    for (TileCoord coord = sched.tile(sched.first()); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
       TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
       if (!w.in_range) { continue; }
       if (!w.active) {
@@ -368,7 +421,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       clear(tOrO);
       OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale, Traits::kExpFmaPer16> softmax(params.scale_log2);
       pipeline_q.consumer_wait(q_read_state);
-      serial_mainloop<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, tSrQ(_, _, _, q_read_state.index()),
+      serial_mainloop<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, tSrQ(_, _, _, q_read_state.index()),
                                                     tSrK, tOrV, tOrO, tScS, make_mask(w), softmax, params.softcap_scale,
                                                     w.coord.m_block, w.n_block_min, w.n_block_max, turn);
       SeqInfo const& seq = w.seq;
@@ -388,7 +441,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             ss.smem_q.data() + q_read_state.index() * kQStageElems, static_cast<Element*>(p.out) + seq.o_offset(p, bidb),
             p.o_row_stride, p.o_head_stride, 0, q0, h0, kp.pack, rows_used, seq.seqlen_q, seq.seqlen_q_alloc,
             p.head_dim_v, thread_idx, Traits::kNMmaThreads);
-        pipeline_q.consumer_release(q_read_state);
+        release_q(q_read_state.index());
         ++q_read_state;
         continue;
       }
@@ -402,17 +455,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // The whole tile into registers first, so the Q/O stage is free during the global stores.
         Tensor tOrOg = make_tensor<Element>(shape(tOgO));
         copy(gmem_copy_o, tOsO, tOrOg);
-        pipeline_q.consumer_release(q_read_state);
+        release_q(q_read_state.index());
         store_o_tile(gmem_copy_o, tOrOg, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
       } else {
         store_o_tile_from_smem(gmem_copy_o, tOsO, tOgO, tOcOg, m_block * kBlockM, seq, p.head_dim_v);
-        pipeline_q.consumer_release(q_read_state);
+        release_q(q_read_state.index());
       }
       ++q_read_state;
     }
   } else {
     TileWork w;
-    bool const more = next_work(sched.tile(blockIdx.x), w);
+    bool const more = next_work(sched.tile(sched.first()), w);
     Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Traits::TileShapePV{}));
     OnlineSoftmax<kRowsPerThread, Traits::kLazyRescale, Traits::kExpFmaPer16> softmax(params.scale_log2);
     auto new_scores = [&] { return partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{})); };
@@ -424,12 +477,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor tSrS = new_scores();
       turn.wait_turn();
       pipeline_q.consumer_wait(q_read_state);
-      pipeline_k.consumer_wait(read_state);
+      consumer_k.consumer_wait(read_state);
       wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
       turn.pass_turn(false);
       finish_store();  // the previous tile's store (two Q stages), under this GEMM: the stage frees early
       warpgroup_wait<0>();
-      pipeline_k.consumer_release(read_state);
+      consumer_k.consumer_release(read_state);
       first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
                                                         t.coord.m_block, t.n_block_max - 1);
       clear(tOrO);
@@ -440,7 +493,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       turn.start();  // once: the turns run on across tiles
       head(w);
       while (true) {  // left by the break after the last tile
-        overlap_body<Traits, kIsBand, kHasSoftcap>(pipeline_k, pipeline_v, read_state, v_state,
+        overlap_body<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, v_state,
                                                    tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
                                                    make_mask(w), softmax, params.softcap_scale, w.coord.m_block,
                                                    w.n_block_min, w.n_block_max, turn);
@@ -448,11 +501,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         bool const next = next_work(handoff.consumer_receive(handoff_state), nw);
         // Tail turn: the tile's last PV GEMM.
         turn.wait_turn();
-        pipeline_v.consumer_wait(v_state);
+        consumer_v.consumer_wait(v_state);
         wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
         turn.pass_turn(!next);
         warpgroup_wait<0>();
-        pipeline_v.consumer_release(v_state);
+        consumer_v.consumer_release(v_state);
         epilogue(w.coord, softmax, tOrO, q_read_state);
         ++q_read_state;
         if constexpr (Traits::kQStages == 1) { finish_store(); }  // the next Q goes to this stage

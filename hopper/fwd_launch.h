@@ -57,12 +57,16 @@ LaunchStatus encode_q_packed(FtFwdParams const& p, int pack, int q_per_tile, CUt
   return {};
 }
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
-LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
-  using KP = FwdKernelParams<Traits>;
+// One launch of fwd_kernel with kClusterM CTAs per cluster; `pack` from fwd_pack_gqa.
+template <class Traits, bool kIsBand, bool kHasSoftcap, int kClusterM>
+LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  using KP = FwdKernelParams<Traits, kClusterM>;
+  using TmaLoadKV = typename KP::TmaLoadKV;
   FtFwdParams const& p = params.abi;
-  auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
+  auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap, kClusterM>;
   constexpr int kSmem = Traits::kSmemBytes;
   if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
 
@@ -79,10 +83,12 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   kp.shape_v = ShapeQKV{p.rows_k, p.head_dim_v, p.num_heads_k, batch_k};
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, kp.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
                            take<0, 2>(typename Traits::SmemLayoutQ{}), select<0, 2>(typename Traits::TileShapeQK{}), _1{});
-  kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, kp.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
-                           take<0, 2>(typename Traits::SmemLayoutK{}), select<1, 2>(typename Traits::TileShapeQK{}), _1{});
-  kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
-                           take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}), _1{});
+  kp.tma_k = make_tma_copy(TmaLoadKV{}, gmem(p.k, kp.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+                           take<0, 2>(typename Traits::SmemLayoutK{}), select<1, 2>(typename Traits::TileShapeQK{}),
+                           Int<kClusterM>{});
+  kp.tma_v = make_tma_copy(TmaLoadKV{}, gmem(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                           take<0, 2>(typename Traits::SmemLayoutV{}), select<2, 1>(typename Traits::TileShapePV{}),
+                           Int<kClusterM>{});
   // O: one consumer warpgroup's 64 rows per TMA store (only for rows all in bounds; TMA clips the
   // columns of a padded head-dim bucket).
   kp.shape_o = ShapeQKV{p.rows_q, p.head_dim_v, p.num_heads, batch_q};
@@ -91,7 +97,7 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
                            typename Traits::SmemLayoutOWG{}, typename Traits::TileShapeOWG{}, _1{});
 
   // GQA packing (see FwdKernelParams::pack).
-  kp.pack = fwd_pack_gqa(p, Traits::kBlockM);
+  kp.pack = pack;
   kp.q_per_tile = Traits::kBlockM / kp.pack;
   kp.tma_bytes_q = Traits::kTmaBytesQ;
   int const sched_heads = kp.pack > 1 ? p.num_heads_k : p.num_heads;
@@ -112,13 +118,54 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   int64_t const kv_bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element));
   int64_t const section = l2_section_bytes / std::max<int64_t>(kv_bytes, 1) * (kp.pack > 1 ? 1 : params.h_h_k_ratio);
   kp.heads_per_section = int(std::clamp<int64_t>(section, 1, int64_t(sched_heads) * p.batch));
-  TileScheduler<kIsBand> const sched{kp.num_m_blocks, sched_heads, p.batch, kp.heads_per_section, p.tile_counter};
-  if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
-    return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch, kp.heads_per_section, p.tile_counter};
+  if constexpr (kClusterM == 1) {
+    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
+      return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+    }
+    dim3 const grid(std::min(sched.num_tiles(), num_sms));
+    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
+    return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
+  } else {
+    // As many clusters as can be resident at once (an SM left over in a GPC of odd size stays idle).
+    int clusters = 0;
+    if (LaunchStatus s = max_active_clusters(reinterpret_cast<void const*>(kernel), p.device, Traits::kNThreads, kSmem,
+                                             kClusterM, clusters);
+        !s.ok()) {
+      return s;
+    }
+    clusters = std::max(1, std::min({sched.num_tiles(), clusters, num_sms / kClusterM}));
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kClusterM;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(clusters * kClusterM));
+    config.blockDim = dim3(unsigned(Traits::kNThreads));
+    config.dynamicSmemBytes = size_t(kSmem);
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    return LaunchStatus::cuda(cudaLaunchKernelEx(&config, kernel, kp), "hopper fwd_kernel cluster launch");
   }
-  dim3 const grid(std::min(sched.num_tiles(), num_sms));
-  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
-  return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
+}
+
+// Chooses the cluster kernel where its static schedule applies: no band mask (tiles of one length),
+// fixed-length batches (cu_seqlens / seqused_q would give the CTAs of a cluster tiles of different
+// lengths, or one with no rows), no GQA packing, and query blocks that pair up exactly.
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+  FtFwdParams const& p = params.abi;
+  int const pack = fwd_pack_gqa(p, Traits::kBlockM);
+  if constexpr (Traits::kClusterM > 1 && !kIsBand) {
+    int const num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    if (pack == 1 && !p.cu_seqlens_q && !p.cu_seqlens_k && !p.seqused_q && num_m_blocks % Traits::kClusterM == 0) {
+      return launch_fwd<Traits, kIsBand, kHasSoftcap, Traits::kClusterM>(params, pack, stream);
+    }
+  }
+  return launch_fwd<Traits, kIsBand, kHasSoftcap, 1>(params, pack, stream);
 }
 
 }  // namespace flashtile::hopper

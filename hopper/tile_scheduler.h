@@ -1,9 +1,13 @@
-// Dynamic persistent tile scheduler of the Hopper forward kernel.
+// Persistent tile scheduler of the Hopper forward kernel.
 //
 // The grid has one CTA per SM (or fewer). CTA i starts with tile i; each later tile comes from a
 // global atomic counter (tile = gridDim.x + old count), fetched by the producer warp while it still
 // has loads of the current tile in flight and handed to the consumers through shared memory (see
 // TileHandoff). So a CTA that drew short tiles takes more of them, and the tail is short.
+// Clusters (kClusterM > 1, no band mask): a tile is a group of kClusterM adjacent query blocks, one per
+// CTA of the cluster (all of them load and read the same K/V blocks), and the clusters take the groups
+// in a static stride: tiles without a band mask are all equally long, and the CTAs of a cluster must
+// agree on each tile without exchanging it.
 //
 // Tile order (tile index -> (m_block, head, batch)):
 //   no band mask: the query blocks of one (head, batch) are adjacent, so the CTAs running at one time
@@ -25,18 +29,23 @@ struct TileCoord {
   int m_block, bidh, bidb;
 };
 
-template <bool kIsBand>
+template <bool kIsBand, int kClusterM = 1>
 struct TileScheduler {
-  int num_m_blocks, num_heads, num_batch;
+  static_assert(kClusterM == 1 || !kIsBand, "band-masked tiles differ in length: no static cluster schedule");
+  int num_m_blocks, num_heads, num_batch;  // clusters: num_m_blocks is a multiple of kClusterM
   int heads_per_section;  // band masks only: (head, batch) pairs interleaved longest-first
   int* tile_counter;      // zeroed before the launch; counts tiles handed out past the first wave
 
-  CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads * num_batch; }
+  CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
+
+  // This CTA's first tile.
+  CUTE_DEVICE int first() const { return int(blockIdx.x) / kClusterM; }
 
   CUTE_DEVICE TileCoord tile(int idx) const {
     if constexpr (!kIsBand) {
-      int const m = idx % num_m_blocks;
-      idx /= num_m_blocks;
+      int const groups = num_m_blocks / kClusterM;
+      int const m = idx % groups * kClusterM + int(blockIdx.x) % kClusterM;  // cluster rank: blockIdx.x % kClusterM
+      idx /= groups;
       return {m, idx % num_heads, idx / num_heads};
     } else {
       int const section_tiles = heads_per_section * num_m_blocks;
@@ -50,8 +59,14 @@ struct TileScheduler {
     }
   }
 
-  // Producer side: the tile after this CTA's current one.
-  CUTE_DEVICE int fetch_next() const { return int(gridDim.x) + atomicAdd(tile_counter, 1); }
+  // Producer side: the tile after this CTA's current one `idx`.
+  CUTE_DEVICE int fetch_next(int idx) const {
+    if constexpr (kClusterM > 1) {
+      return idx + int(gridDim.x) / kClusterM;
+    } else {
+      return int(gridDim.x) + atomicAdd(tile_counter, 1);
+    }
+  }
 };
 
 // Hands tile coordinates from the producer warp to the consumer warpgroups through a two-slot

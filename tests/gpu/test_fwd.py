@@ -233,8 +233,9 @@ def test_fwd_pack_gqa_varlen(dtype, hdim, seed):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fwd_long_sequence(dtype, causal, seed):
-    """16384 x 16384 with five heads: thousands of tiles through the dynamic scheduler, and (hdim 128)
-    more (head, batch) pairs than one L2 section holds, the last section partial. The references are
+    """16384 x 16384 with five heads: thousands of tiles, several per CTA (non-causal: pairs of query
+    blocks per 2-CTA cluster on Hopper; causal: the dynamic scheduler with (hdim 128) more (head, batch)
+    pairs than one L2 section holds, the last section partial). The references are
     computed one head at a time to bound their memory."""
     require_built(dtype, 128, 128, band=causal)
     q, k, v = random_qkv(1, 16384, 16384, 5, 5, 128, 128, dtype=DTYPES[dtype], device="cuda", seed=seed)
@@ -244,6 +245,25 @@ def test_fwd_long_sequence(dtype, causal, seed):
         refs = _refs(qh, kh, vh, causal=causal)
         _check(f"head {h}", out[:, :, h:h + 1], lse[:, h:h + 1], refs)
         del refs
+
+
+# Hopper forward without a band mask on an even number of query blocks: 2-CTA clusters sharing K/V
+# through multicast. Last query block partial, keys not a multiple of the tile, more block pairs than
+# resident clusters (b 3 x h 8 x 4 pairs), and a shape with one key.
+CLUSTER_SEQLENS = [(1000, 777), (256, 4096), (130, 1)]
+
+
+@pytest.mark.parametrize("seqlens", CLUSTER_SEQLENS, ids=[f"{a}x{b}" for a, b in CLUSTER_SEQLENS])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
+    d, dv = hdim
+    require_built(dtype, d, dv, band=False)
+    sq, sk = seqlens
+    q, k, v = random_qkv(3, sq, sk, 8, 8, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    out, lse, _ = check_fwd(q, k, v)
+    out2, lse2 = run_fwd(q, k, v)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((-1, 5), False), ((7, -1), False),
