@@ -38,6 +38,7 @@
 #include "common/fragment.h"
 #include "common/mask.h"
 #include "common/seq_info.h"
+#include "common/special_regs.h"
 #include "hopper/bwd_traits.h"
 #include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
@@ -299,10 +300,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // The S tile as the SdP MMA sees it: (keys, queries) when swapped.
   using TileSdP = std::conditional_t<kSwap, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSdP{}));
+  auto thr_sdp_of = [&](int t) { return mma_sdp.get_thread_slice(t).partition_C(make_identity_tensor(TileSdP{})); };
+  Tensor tScS = thr_sdp_of(thread_idx);
   // Pass `pass` of dQ into the staging tile.
   auto smem_copy_dq = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
-  auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx);
   // Under kSwap accumulator row j is query perm(j) (see Traits::dQRowPerm) and is staged there.
   Tensor sdQ_stage = [&] {
     Tensor t = as_position_independent_swizzle_tensor(sdQ);
@@ -313,6 +314,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }();
   auto stage_dq = [&](auto const& acc_dq, int pass) {
+    auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
     copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
          smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
   };
@@ -362,6 +364,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
 
     if constexpr (kSwap) {
+      // The thread's score coordinates and dS store addresses anew each step (special_regs.h): held
+      // across the walk they spilled at d = 64.
+      int const t_step = thread_idx_reread() - 128;
+      Tensor tScS = thr_sdp_of(t_step);
       float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f;
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
@@ -416,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // both warpgroups completed before step s - 1's kPdSFull.
       int const ds_stage = step % 2;
       auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
-      auto smem_thr_ds = smem_copy_ds.get_thread_slice(thread_idx);
+      auto smem_thr_ds = smem_copy_ds.get_thread_slice(t_step);
       copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
            smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
                                        .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));

@@ -37,6 +37,7 @@
 #include "common/mask.h"
 #include "common/seq_info.h"
 #include "common/softmax.h"
+#include "common/special_regs.h"
 #include "hopper/fwd_consumer.h"
 #include "hopper/fwd_traits.h"
 #include "hopper/gmem_tensors.h"
@@ -111,15 +112,6 @@ CUTE_DEVICE void load_q_packed(CUtensorMap const& desc, uint64_t* barrier, typen
     SM90_TMA_LOAD_5D::copy(&desc, barrier, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
                            smem_stage + c * Traits::kBlockM * kChunk, c * kChunk, 0, q_row, bidh_k, bidb);
   }
-}
-
-// threadIdx.x read anew (volatile: never merged with an earlier read), so that what is derived from it
-// (a thread's fragment coordinates and shared-memory addresses) is recomputed where it is used rather
-// than held in registers across a mainloop.
-CUTE_DEVICE int thread_idx_reread() {
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
 }
 
 // A K/V pipeline as the consumers see it. In a cluster each warpgroup's release of a stage must reach
