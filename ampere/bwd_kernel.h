@@ -6,7 +6,8 @@
 // softcap). P and dS go to shared memory in the input dtype; dV += P^T dO and dK += dS^T Q read them
 // through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
 // the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
-// query block in deterministic mode). D of each step's rows is staged in shared memory with its Q/dO.
+// query block in deterministic mode), stored in common/dq_accum_perm.h's order so that each warp-wide
+// reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. D of each step's rows is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
 // Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
@@ -356,11 +357,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     // Unpredicated adds: the accumulator is padded to whole tiles, and rows past seqlen_q / columns
     // past head_dim add exact zeros (P = 0 there; K's padding columns are zero-filled).
-    Tensor gdQacc = make_tensor(make_gmem_ptr(b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
-                                              bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride),
-                                Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(b.dq_accum_row_stride, _1{}));
-    Tensor tdQgdQacc = thr_dq.partition_C(gdQacc);
-    red_add_fragment(acc_dq, tdQgdQacc);
+    float* const gdQacc = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                          bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride;
+    red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc, int(b.dq_accum_row_stride));
     if (b.deterministic) { pass_dq_turn(semaphore); }
     st.advance(m_block_min, m_block_max);
   }

@@ -12,7 +12,9 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/dq_accum_perm.h"
 #include "common/mask.h"
+#include "common/special_regs.h"
 
 namespace flashtile::ampere {
 
@@ -273,19 +275,25 @@ CUTE_DEVICE void red_add(float* ptr, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
 }
 
-// acc (an fp32 16x8-atom accumulator fragment) added to g, the same MMA's partition of a global
-// tensor. Each atom holds two adjacent columns per row; sm_90 adds them with one 8-byte vector
-// reduction: half the instructions, and each 32-byte sector a warp touches gets 8 values, not 4.
-template <class TensorAcc, class TensorG>
-CUTE_DEVICE void red_add_fragment(TensorAcc const& acc, TensorG& g) {
-  static_assert(decltype(size<0, 0>(g))::value == 2 && is_constant<1, decltype(stride<0, 0>(g))>::value);
+// acc (the fp32 16x8-atom accumulator fragment of tiled_mma over a kRows x kD tile) added to the tile at
+// g (row stride `row_stride`) stored in DqAccumPerm<kD>'s order, so a warp's reduction covers 256
+// contiguous bytes. The thread's coordinates come from a re-read thread index: derived once they were
+// loop-invariant addresses, hoisted out of the walk and spilled. Each atom holds two adjacent columns
+// per row; sm_90 adds them with one 8-byte vector reduction.
+// 32-bit offsets: a tile spans kRows rows of the accumulator, far below 2^31 elements.
+template <int kRows, int kD, class TensorAcc, class TiledMma>
+CUTE_DEVICE void red_add_fragment_perm(TensorAcc const& acc, TiledMma const& tiled_mma, float* g, int row_stride) {
+  Tensor tC = tiled_mma.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{}));
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
+    int sr, sc;
+    DqAccumPerm<kD>::map(get<0>(tC(i)), get<1>(tC(i)), sr, sc);
+    float* const ptr = g + (sr * row_stride + sc);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(&g(i)), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
 #else
-    red_add(&g(i), acc(i));
-    red_add(&g(i + 1), acc(i + 1));
+    red_add(ptr, acc(i));
+    red_add(ptr + 1, acc(i + 1));
 #endif
   }
 }

@@ -6,6 +6,7 @@
 // cleared. Postprocess: dq = softmax_scale * dq_accum in the input dtype (the scale is applied once,
 // here, rather than to every dS tile).
 // One warp per row, 16-byte vectors along the head dim; rows past seqused_q get D = 0, lse_log2 = +inf.
+// kPermD > 0: the accumulator is in DqAccumPerm<kPermD>'s order (the Ampere path), else row-major.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "common/bwd_params.h"
+#include "common/dq_accum_perm.h"
 #include "common/launch_status.h"
 #include "common/seq_info.h"
 
@@ -21,8 +23,9 @@ namespace flashtile {
 constexpr int kPrePostThreads = 128;
 constexpr int kPrePostRowsPerBlock = 32;
 
+
 // Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch).
-template <class Element>
+template <class Element, int kPermD>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -39,8 +42,17 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
                    bidh * b.dq_accum_head_stride;
   int64_t const lse_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
 
-  int const row_end = min(seq.seqlen_q_alloc, int(blockIdx.x + 1) * kPrePostRowsPerBlock);
+  // Permuted accumulator: a row's values live anywhere in its 8-row group, over all kPermD columns, so
+  // whole groups are cleared (the accumulator's row padding covers them).
+  int const rows_alloc = seq.seqlen_q_alloc;
+  int const clear_end = kPermD > 0 ? (rows_alloc + 7) / 8 * 8 : rows_alloc;
+  int const clear_cols = kPermD > 0 ? kPermD : p.head_dim;
+  int const row_end = min(clear_end, int(blockIdx.x + 1) * kPrePostRowsPerBlock);
   for (int row = blockIdx.x * kPrePostRowsPerBlock + warp; row < row_end; row += kPrePostThreads / 32) {
+    for (int c = lane * 4; c < clear_cols; c += 32 * 4) {
+      *reinterpret_cast<float4*>(acc_ptr + row * b.dq_accum_row_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (row >= rows_alloc) { continue; }  // warp-uniform
     float dot = 0.f;
     if (row < seq.seqlen_q) {
       for (int c = lane * kVec; c < p.head_dim_v; c += 32 * kVec) {
@@ -54,9 +66,6 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
     }
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
-    for (int c = lane * 4; c < p.head_dim; c += 32 * 4) {
-      *reinterpret_cast<float4*>(acc_ptr + row * b.dq_accum_row_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
     if (lane == 0) {
       float const lse = row < seq.seqlen_q ? p.lse[lse_off + row] : -INFINITY;
       float const dlse = b.dlse != nullptr && row < seq.seqlen_q ? b.dlse[lse_off + row] : 0.f;
@@ -68,7 +77,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
 }
 
 // Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch).
-template <class Element>
+template <class Element, int kPermD>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -88,7 +97,9 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
   for (int row = blockIdx.x * kPrePostRowsPerBlock + warp; row < row_end; row += kPrePostThreads / 32) {
     for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
       cutlass::Array<float, kVec> acc;
-      float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + row * b.dq_accum_row_stride + c);
+      int src_row = row, src_col = c;
+      if constexpr (kPermD > 0) { DqAccumPerm<kPermD>::map(row, c, src_row, src_col); }
+      float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + src_row * b.dq_accum_row_stride + src_col);
       *reinterpret_cast<float4*>(&acc[0]) = src[0];
       *reinterpret_cast<float4*>(&acc[4]) = src[1];
       CUTE_UNROLL
@@ -103,15 +114,15 @@ inline dim3 bwd_prepost_grid(FtFwdParams const& p) {
   return dim3((p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock, p.num_heads, p.batch);
 }
 
-template <class Element>
+template <class Element, int kPermD = 0>
 LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_preprocess_kernel<Element><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  bwd_preprocess_kernel<Element, kPermD><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch");
 }
 
-template <class Element>
+template <class Element, int kPermD = 0>
 LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_postprocess_kernel<Element><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  bwd_postprocess_kernel<Element, kPermD><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
 }
 
