@@ -7,7 +7,8 @@
 // through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
 // the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
 // query block in deterministic mode), stored in common/dq_accum_perm.h's order so that each warp-wide
-// reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. D of each step's rows is staged in shared memory with its Q/dO.
+// reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. D of each step's rows
+// is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
 // Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued

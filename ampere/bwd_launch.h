@@ -1,6 +1,7 @@
 // Host launcher of the Ampere-path backward: preprocess (D, LSE in exp2 domain, dq accumulator
 // cleared), the main kernel (grid: KV blocks x KV heads x batch) and the dq postprocess, all on one
-// stream; the dq accumulator in DqAccumPerm's order (coalesced atomics). Host only; instantiated once per manifest entry.
+// stream; the dq accumulator in DqAccumPerm's order (coalesced atomics). Host only; instantiated once
+// per manifest entry.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -279,8 +279,8 @@ CUTE_DEVICE void red_add(float* ptr, float value) {
 // g (row stride `row_stride`) stored in DqAccumPerm<kD>'s order, so a warp's reduction covers 256
 // contiguous bytes. The thread's coordinates come from a re-read thread index: derived once they were
 // loop-invariant addresses, hoisted out of the walk and spilled. Each atom holds two adjacent columns
-// per row; sm_90 adds them with one 8-byte vector reduction.
-// 32-bit offsets: a tile spans kRows rows of the accumulator, far below 2^31 elements.
+// per row; sm_90 adds them with one 8-byte vector reduction. Offsets are 32-bit: a tile spans kRows
+// rows of the accumulator, far below 2^31 elements.
 template <int kRows, int kD, class TensorAcc, class TiledMma>
 CUTE_DEVICE void red_add_fragment_perm(TensorAcc const& acc, TiledMma const& tiled_mma, float* g, int row_stride) {
   Tensor tC = tiled_mma.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{}));

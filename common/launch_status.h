@@ -91,6 +91,24 @@ inline LaunchStatus opt_in_smem(void const* kernel, int device, int smem_bytes) 
   return {};
 }
 
+// A launch of `blocks` CTAs of `threads` threads in clusters of `cluster_size` along x; `attr` holds the
+// configuration's one attribute and must outlive its use.
+inline cudaLaunchConfig_t cluster_launch_config(int blocks, int threads, int smem_bytes, cudaStream_t stream,
+                                                int cluster_size, cudaLaunchAttribute& attr) {
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster_size);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return config;
+}
+
 // How many clusters of `cluster_size` CTAs (threads, smem_bytes each, along x) can be resident at once:
 // a persistent grid larger than that would leave whole clusters waiting for a second wave. Once per
 // (kernel, device); the kernel's shared-memory opt-in must already be done.
@@ -106,16 +124,7 @@ inline LaunchStatus max_active_clusters(void const* kernel, int device, int thre
     }
   }
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(cluster_size);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(cluster_size));
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = size_t(smem_bytes);
-  config.attrs = &attr;
-  config.numAttrs = 1;
+  cudaLaunchConfig_t const config = cluster_launch_config(cluster_size, threads, smem_bytes, nullptr, cluster_size, attr);
   if (cudaError_t e = cudaOccupancyMaxActiveClusters(&out, kernel, &config)) {
     return LaunchStatus::cuda(e, "cudaOccupancyMaxActiveClusters");
   }

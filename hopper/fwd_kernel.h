@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-    int const cluster_rank = int(blockIdx.x) % kClusterM;
+    int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
     auto produce_tile = [&](TileWork const& w) {

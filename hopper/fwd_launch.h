@@ -136,17 +136,8 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
     }
     clusters = std::max(1, std::min({sched.num_tiles(), clusters, num_sms / kClusterM}));
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kClusterM;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(clusters * kClusterM));
-    config.blockDim = dim3(unsigned(Traits::kNThreads));
-    config.dynamicSmemBytes = size_t(kSmem);
-    config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    cudaLaunchConfig_t const config =
+        cluster_launch_config(clusters * kClusterM, Traits::kNThreads, kSmem, stream, kClusterM, attr);
     return LaunchStatus::cuda(cudaLaunchKernelEx(&config, kernel, kp), "hopper fwd_kernel cluster launch");
   }
 }

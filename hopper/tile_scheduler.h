@@ -38,13 +38,14 @@ struct TileScheduler {
 
   CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
 
-  // This CTA's first tile.
+  // This CTA's rank in its cluster (clusters run along x) and its first tile.
+  CUTE_DEVICE static int cluster_rank() { return int(blockIdx.x) % kClusterM; }
   CUTE_DEVICE int first() const { return int(blockIdx.x) / kClusterM; }
 
   CUTE_DEVICE TileCoord tile(int idx) const {
     if constexpr (!kIsBand) {
       int const groups = num_m_blocks / kClusterM;
-      int const m = idx % groups * kClusterM + int(blockIdx.x) % kClusterM;  // cluster rank: blockIdx.x % kClusterM
+      int const m = idx % groups * kClusterM + cluster_rank();
       idx /= groups;
       return {m, idx % num_heads, idx / num_heads};
     } else {
