@@ -164,14 +164,21 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
 // (block_m x block_n), dK/dV (block_n x d) and dQ (block_m x d), is split between the warpgroups
 // along its rows when it has 128 of them, else along its columns (WGMMA M is 64 per warpgroup).
 // Registers: dK + dV accumulators (2 * block_n * d fp32 over 256 threads) and the S/dP tiles.
-// Shared memory: K, V (block_n x d) + q_stages * (Q, dO) + P, dS (block_m x block_n, 16-bit) + the
-// fp32 dQ staging tile (block_m x d): d = 64: 192 KB, 96: 152 KB, 128: 192 KB, 192: 208 KB,
-// 256: 208 KB (one Q/dO stage). block_m 80 at d = 128 (fewer shared-memory bytes per FLOP in the SS
-// GEMMs, dQ computed transposed since 80 is not a WGMMA M) measured no faster than 64 on an H100.
+// Shared memory: K, V (block_n x d) + q_stages * Q + do_stages * dO (block_m x d) + P, dS
+// (block_m x block_n, 16-bit) + the fp32 dQ staging tile (block_m x d): d = 64: 192 KB, 96: 152 KB,
+// 128: 192 KB, 192: 208 KB, 256: 208 KB (one Q and one dO stage).
+// At d = 256 a step's Q and dO are released as soon as the GEMMs that read them complete (dO after
+// dV, Q after dK, before dQ's second pass): the next loads then overlap the rest of the step. With
+// both released at the end of the step the consumers waited for them every step (ncu: a third of
+// their stall samples); releasing early gained 7-21% (H100). A second Q stage instead (at the cost of
+// one dO stage and half the dQ staging tile, whose two column passes then take turns in it:
+// Traits::kdQSerial) gained less: 299 / 353 / 381 TFLOP/s non-causal at 1k / 4k / 16k against
+// 313 / 393 / 424 with one stage of each, and it lost 1-3% causal.
 struct HopperBwdTile {
   int block_m;
   int block_n;
   int q_stages;
+  int do_stages;
   int producer_regs;
   int consumer_regs;
   // block_n = 128 (S^T/dP^T schedule) only: dS is stored before dV is issued, dQ is issued between
@@ -181,20 +188,25 @@ struct HopperBwdTile {
   bool dq_overlap;
 };
 
-// Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
+// Build-time overrides of the Hopper backward tile, for measuring their gain (-1 = policy):
 // FLASHTILE_BWD_ORDER: HopperBwdTile::dq_overlap (0 off, 1 on; block_n = 128 only).
+// FLASHTILE_BWD_Q_STAGES: HopperBwdTile::q_stages at d = 256 (2: the staging tile shared by dQ's passes).
 #ifndef FLASHTILE_BWD_ORDER
 #define FLASHTILE_BWD_ORDER -1
+#endif
+#ifndef FLASHTILE_BWD_Q_STAGES
+#define FLASHTILE_BWD_Q_STAGES -1
 #endif
 
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
 constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 24, 240, false}
-                    : d <= 128 ? HopperBwdTile{64, 128, 2, 24, 240, true}
-                    : d <= 192 ? HopperBwdTile{64, 64, 2, 24, 240, false}
-                               : HopperBwdTile{64, 64, 1, 24, 240, false};
+  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false}
+                    : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true}
+                    : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false}
+                               : HopperBwdTile{64, 64, 1, 1, 24, 240, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
+  if (d > 192 && FLASHTILE_BWD_Q_STAGES > 0) { t.q_stages = FLASHTILE_BWD_Q_STAGES; }
   return t;
 }
 

@@ -5,13 +5,14 @@
 // head's group that sees those keys, so GQA/MQA dK/dV are register sums.
 // Roles:
 //   warpgroup 0, warp 0  producer: K and V once (one transaction barrier), then Q and dO of each step
-//                        through two kQStages-deep PipelineTmaAsync pipelines.
+//                        through two PipelineTmaAsync pipelines (kQStages / kdOStages deep).
 //   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
 //                        the dq accumulator with one TMA reduce-add (in descending KV-block order behind a
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
-//                        both parts of a step behind the step's one semaphore turn.
+//                        both parts of a step behind the step's one semaphore turn. Under kdQSerial
+//                        the two column passes of dQ in turn through one buffer and barrier pair.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
 //                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
 //                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
@@ -24,6 +25,9 @@
 //   off: S^T, dP^T; P^T; dV issued; dS^T; dK issued; dS stored; kPdSFull; dQ; all done; dQ staged.
 //   on:  S^T, dP^T; P^T, dS^T; dS stored; dV issued; kPdSFull; dQ issued; dV done (dO released);
 //        dK issued; dQ done, staged while dK runs; dK done (Q released).
+// Otherwise: S, dP; P, dS; kPdSEmpty; P, dS stored; kPdSFull; dQ, dV, dK issued; dQ done, staged
+//   while dV and dK run; dV done (dO released); [d = 256: second dQ pass issued]; dK done (Q
+//   released); [second pass done, staged].
 // Rows past seqlen_q get lse_log2 = +inf (P = 0); columns past seqlen_k and outside the band are
 // masked to -inf, so padded rows and columns contribute exact zeros.
 #pragma once
@@ -71,6 +75,17 @@ struct BwdKernelParams {
   TmadQ tma_dq;
 };
 
+// A Q or dO load pipeline: warpgroup 0 produces (thread 0 leads), the consumer threads consume.
+template <class Pipeline>
+CUTE_DEVICE typename Pipeline::Params load_pipeline_params(bool producer, int consumers, uint32_t transaction_bytes) {
+  typename Pipeline::Params params;
+  params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumers;
+  params.transaction_bytes = transaction_bytes;
+  return params;
+}
+
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
@@ -82,14 +97,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(__grid_constant__ BwdKernelParams<Traits> const kp) {
   using Element = typename Traits::Element;
   using PipelineQ = typename Traits::PipelineQ;
-  using PipelineState = typename Traits::PipelineState;
+  using PipelinedO = typename Traits::PipelinedO;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
   constexpr int kdQParts = Traits::kdQParts;
-  constexpr int kdQSyncThreads = kNMmaThreads / kdQParts + 32;  // a part's consumers + the dQ writer warp
+  constexpr int kdQBuffers = Traits::kdQBuffers;
+  constexpr int kdQSyncThreads = kNMmaThreads / kdQBuffers + 32;  // a buffer's consumers + the dQ writer warp
   BwdParams const& params = kp.bwd;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -136,14 +152,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor());
   }
-  typename PipelineQ::Params pipe_params;
-  pipe_params.role = warp_group_idx == 0 ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = kNMmaThreads;
-  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
-  PipelineQ pipeline_q(ss.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
-  pipe_params.transaction_bytes = Traits::kTmaBytesdO;
-  PipelineQ pipeline_do(ss.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  bool const producer = warp_group_idx == 0;
+  PipelineQ pipeline_q(ss.pipeline_q, load_pipeline_params<PipelineQ>(producer, kNMmaThreads, Traits::kTmaBytesQ),
+                       Shape<_1, _1, _1>{});
+  PipelinedO pipeline_do(ss.pipeline_do, load_pipeline_params<PipelinedO>(producer, kNMmaThreads, Traits::kTmaBytesdO),
+                         Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -168,7 +181,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         copy(kp.tma_k.with(reinterpret_cast<uint64_t&>(ss.barrier_kv), 0), tKgK, tKsK);
         copy(kp.tma_v.with(reinterpret_cast<uint64_t&>(ss.barrier_kv), 0), tVgV, tVsV);
       }
-      PipelineState write_state = cutlass::make_producer_start_state<PipelineQ>();
+      auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+      auto write_do = cutlass::make_producer_start_state<PipelinedO>();
       BwdStep st(bidh_k, group, m_block_min);
       for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
         int const batch_q = varlen_q ? 0 : bidb;
@@ -178,17 +192,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                 Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(_, _0{}));
         auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tdOgdO, tdOsdO] = tma_partition(kp.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        pipeline_q.producer_acquire(write_state);
+        pipeline_q.producer_acquire(write_q);
         if (lane == 0) {
-          copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(write_state), 0), tQgQ(_, st.m_block),
-               tQsQ(_, write_state.index()));
+          copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(write_q), 0), tQgQ(_, st.m_block), tQsQ(_, write_q.index()));
         }
-        pipeline_do.producer_acquire(write_state);
+        pipeline_do.producer_acquire(write_do);
         if (lane == 0) {
-          copy(kp.tma_do.with(*pipeline_do.producer_get_barrier(write_state), 0), tdOgdO(_, st.m_block),
-               tdOsdO(_, write_state.index()));
+          copy(kp.tma_do.with(*pipeline_do.producer_get_barrier(write_do), 0), tdOgdO(_, st.m_block),
+               tdOsdO(_, write_do.index()));
         }
-        ++write_state;
+        ++write_q;
+        ++write_do;
       }
     } else if (warp_idx == 1) {
       // -------------------------------------------------------------- dQ writer
@@ -224,22 +238,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             __threadfence();
           }
         }
-        CUTE_UNROLL
-        for (int part = 0; part < kdQParts; ++part) {
-          cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
-          if (lane == 0) {
-            copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
-            tma_store_arrive();
-          }
-        }
         static_assert(kdQParts <= 2);
-        CUTE_UNROLL
-        for (int part = 0; part < kdQParts; ++part) {
-          if (lane == 0) {  // the part's staging has been read (its bulk group and all older ones)
-            if (part + 1 < kdQParts) { tma_store_wait<1>(); } else { tma_store_wait<0>(); }
+        if constexpr (kdQBuffers == kdQParts) {  // one buffer per part: all issued, then all freed
+          CUTE_UNROLL
+          for (int part = 0; part < kdQParts; ++part) {
+            cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
+            if (lane == 0) {
+              copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
+              tma_store_arrive();
+            }
           }
-          __syncwarp();
-          if (step + 1 < num_steps) { cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(part)); }
+          CUTE_UNROLL
+          for (int part = 0; part < kdQParts; ++part) {
+            if (lane == 0) {  // the part's staging has been read (its bulk group and all older ones)
+              if (part + 1 < kdQParts) { tma_store_wait<1>(); } else { tma_store_wait<0>(); }
+            }
+            __syncwarp();
+            if (step + 1 < num_steps) { cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(part)); }
+          }
+        } else {  // the parts take turns in one buffer: each freed once read
+          CUTE_UNROLL
+          for (int part = 0; part < kdQParts; ++part) {
+            cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(0));
+            if (lane == 0) {
+              copy(kp.tma_dq, tdQsdQ(0), tdQgdQ(part));
+              tma_store_arrive();
+              tma_store_wait<0>();
+            }
+            __syncwarp();
+            if (step + 1 < num_steps || part + 1 < kdQParts) {
+              cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(0));
+            }
+          }
         }
         if (lane == 0 && b.deterministic) {
           bulk_wait_all_complete();  // the adds have landed before the next KV block's turn
@@ -316,12 +346,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto stage_dq = [&](auto const& acc_dq, int pass) {
     auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
     copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
-         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
+         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, kdQBuffers < kdQParts ? 0 : pass))));
   };
   // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
-  int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;
-  auto dq_wait_empty = [&](int step) {
-    if (step > 0) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
+  int const dq_part = kdQBuffers == 1 ? 0 : thread_idx / 128;
+  auto dq_wait_empty = [&](bool first) {
+    if (!first) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
   };
   auto dq_staged = [&] {
     tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
@@ -350,7 +380,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ss.barrier_kv.wait(0);
   }
 
-  PipelineState read_state;
+  typename PipelineQ::PipelineState read_q;
+  typename PipelinedO::PipelineState read_do;
   for (int step = 0; step < num_steps; ++step) {
     BwdStep const next = [&] {
       BwdStep n = st;
@@ -358,7 +389,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       return n;
     }();
     int const m_block = st.m_block;
-    int const stage = read_state.index();
+    int const stage_q = read_q.index();
+    int const stage_do = read_do.index();
     bool const needs_mask = mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN);
     Tensor acc_s = partition_fragment_C(mma_sdp, TileSdP{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
@@ -371,10 +403,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f;
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
-      pipeline_q.consumer_wait(read_state);
-      wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
-      pipeline_do.consumer_wait(read_state);
-      wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+      pipeline_q.consumer_wait(read_q);
+      wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+      pipeline_do.consumer_wait(read_do);
+      wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
       if constexpr (kHasSoftcap) {
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
@@ -403,7 +435,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // the dS stores and dK the dQ GEMM.
       Tensor rP = convert_fragment<Element>(acc_s);
       auto dv_gemm = [&] {
-        wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
+        wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage_do), acc_dv);
       };
       if constexpr (!kOverlap) { dv_gemm(); }
       if constexpr (!kHasSoftcap) {
@@ -414,7 +446,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       Tensor rdS = convert_fragment<Element>(acc_dp);
       auto dk_gemm = [&] {
-        wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
+        wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage_q), acc_dk);
       };
       if constexpr (!kOverlap) { dk_gemm(); }
       // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
@@ -437,17 +469,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_wait<1>();  // dV done; dQ still running
         warpgroup_fence_operand(rP);
         warpgroup_fence_operand(acc_dv);
-        pipeline_do.consumer_release(read_state);
+        pipeline_do.consumer_release(read_do);
         dk_gemm();
         warpgroup_wait<1>();  // dQ done; dK still running
         warpgroup_fence_operand(acc_dq);
-        dq_wait_empty(step);
+        dq_wait_empty(step == 0);
         stage_dq(acc_dq, 0);
         dq_staged();
         warpgroup_wait<0>();
         warpgroup_fence_operand(rdS);
         warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_state);
+        pipeline_q.consumer_release(read_q);
       } else {
         warpgroup_wait<0>();
         warpgroup_fence_operand(rP);
@@ -455,9 +487,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(acc_dq);
-        pipeline_q.consumer_release(read_state);
-        pipeline_do.consumer_release(read_state);
-        dq_wait_empty(step);
+        pipeline_q.consumer_release(read_q);
+        pipeline_do.consumer_release(read_do);
+        dq_wait_empty(step == 0);
         stage_dq(acc_dq, 0);
         dq_staged();
       }
@@ -471,10 +503,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         lse_log2[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), true);
         dsum[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), false);
       }
-      pipeline_q.consumer_wait(read_state);
-      wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
-      pipeline_do.consumer_wait(read_state);
-      wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+      pipeline_q.consumer_wait(read_q);
+      wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, acc_s);
+      pipeline_do.consumer_wait(read_do);
+      wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
       if constexpr (kHasSoftcap) {
@@ -528,29 +560,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
+      // dQ's first pass is staged while dV and dK run; dO (one stage at d = 256) is released once dV
+      // is done and Q once dK is, so that their next loads overlap the rest of the step. The second
+      // pass (d = 256) is issued behind dK into the same registers.
       Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
       dq_gemm(0, 0, acc_dq);
-      wg_gemm<false, -1>(mma_dv, wg_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
-      wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage), acc_dk);
+      wg_gemm<false, -1>(mma_dv, wg_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage_do), acc_dv);
+      wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage_q), acc_dk);
       warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
-      dq_wait_empty(step);
+      dq_wait_empty(step == 0);
       stage_dq(acc_dq, 0);
-      CUTE_UNROLL
-      for (int pass = 1; pass < Traits::kdQPasses; ++pass) {  // behind dV/dK, into the same registers
-        dq_gemm(0, pass, acc_dq);
+      warpgroup_wait<1>();  // dV done; dK still running
+      warpgroup_fence_operand(acc_dv);
+      pipeline_do.consumer_release(read_do);
+      static_assert(Traits::kdQPasses <= 2);
+      if constexpr (Traits::kdQPasses == 2) {
+        if constexpr (Traits::kdQSerial) { dq_staged(); }  // the passes take turns in one buffer
+        dq_gemm(0, 1, acc_dq);
+        warpgroup_wait<1>();  // dK done; dQ's second pass still running
+        warpgroup_fence_operand(acc_dk);
+        pipeline_q.consumer_release(read_q);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);
-        stage_dq(acc_dq, pass);
+        if constexpr (Traits::kdQSerial) { dq_wait_empty(false); }
+        stage_dq(acc_dq, 1);
+      } else {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dk);
+        pipeline_q.consumer_release(read_q);
       }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      pipeline_q.consumer_release(read_state);
-      pipeline_do.consumer_release(read_state);
       dq_staged();
     }
-    ++read_state;
+    ++read_q;
+    ++read_do;
     st = next;
   }
 

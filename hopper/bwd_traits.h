@@ -43,6 +43,7 @@ struct BwdTraits {
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kQStages = kTile.q_stages;
+  static constexpr int kdOStages = kTile.do_stages;
   static constexpr int kNMmaWarpGroups = 2;
   static constexpr int kNMmaThreads = kNMmaWarpGroups * 128;
   static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup (loads, dQ writer)
@@ -88,7 +89,7 @@ struct BwdTraits {
   template <int kCols>
   using SmemAtomQKV = SmemAtomKMajor<Element, kSwapSdP ? kCols : kCols / 2>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
-  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kQStages>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kdOStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   // dS is double-buffered under kSwapSdP, which lets a warpgroup write step s + 1's dS while the other
@@ -98,19 +99,29 @@ struct BwdTraits {
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtomKMajor<Element, kBlockN>{},
                                               Shape<Int<kBlockM>, Int<kBlockN>, Int<kdSStages>>{}));
   using SmemLayoutQt = Transposed3<SmemLayoutQ, kBlockM, kHeadDim, kQStages>;
-  using SmemLayoutdOt = Transposed3<SmemLayoutdO, kBlockM, kHeadDimV, kQStages>;
+  using SmemLayoutdOt = Transposed3<SmemLayoutdO, kBlockM, kHeadDimV, kdOStages>;
   using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
   using SmemLayoutdSt = Transposed3<SmemLayoutdS, kBlockM, kBlockN, kdSStages>;
-  // fp32 dQ staging tile (block_m, d), swizzled, read by the TMA reduce-add into the dq accumulator.
-  // Under kdQPerWg it is kdQParts parts stored one after the other, each staged by one consumer
-  // warpgroup (the rows or columns of dQ its MMA owns) and added by its own reduce-add.
+  // fp32 dQ staging, swizzled, read by the TMA reduce-adds into the dq accumulator: kdQParts parts
+  // per step, each added by its own reduce-add, in kdQBuffers buffers.
+  //  kdQPerWg: one part per consumer warpgroup (the rows or columns of dQ its MMA owns), each in its
+  //    own buffer with its own barrier pair, the buffers one after the other as a (block_m, d) tile;
+  //  kdQSerial (two column passes and no room for the whole tile): one part per pass, staged in
+  //    turn in one (block_m, d / 2) buffer;
+  //  otherwise one part, the whole (block_m, d) tile.
   static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
-  static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
+  static constexpr int kSmemBytesButdQ =
+      int(sizeof(Element)) * ((kQStages * kHeadDim + kdOStages * kHeadDimV) * kBlockM + kBlockN * (kHeadDim + kHeadDimV) +
+                              2 * kBlockM * kBlockN) +  // P and dS, or two dS stages
+      2048;  // statistics, barriers, alignment
+  static constexpr bool kdQSerial = kdQPasses == 2 && kSmemBytesButdQ + kBlockM * kHeadDim * 4 > 227 * 1024;
+  static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : kdQSerial ? kdQPasses : 1;
+  static constexpr int kdQBuffers = kdQPerWg ? kNMmaWarpGroups : 1;
   static constexpr bool kdQRowParts = kdQPerWg && kWgMdQ == kNMmaWarpGroups;
   static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
   static constexpr int kdQPartCols = kdQRowParts ? kHeadDim : kHeadDim / kdQParts;
-  static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0);
+  static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0 && (kdQBuffers == kdQParts || kdQBuffers == 1));
   static constexpr bool kdQSw128 = kdQPartCols % 32 == 0;
   using SmemAtomdQ = std::conditional_t<kdQSw128, GMMA::Layout_K_SW128_Atom<ElementAccum>,
                                         GMMA::Layout_K_SW64_Atom<ElementAccum>>;
@@ -122,7 +133,7 @@ struct BwdTraits {
       decltype(composition(tile_to_shape(SmemAtomdQ{}, Shape<Int<kdQPartRows>, Int<kHeadDim>, Int<kdQParts>>{}),
                            Layout<Shape<Shape<Int<kdQPartRows>, Int<kdQParts>>, Int<kHeadDim>>,
                                   Stride<Stride<_1, Int<kdQPartRows * kHeadDim>>, Int<kdQPartRows>>>{})),
-      decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}))>;
+      decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim / kdQParts * kdQBuffers>>{}))>;
   // Bank conflicts of the dQ staging: a warp's 64-bit accumulator store covers rows 0-7 (lanes / 4)
   // of 8 columns, and a half-warp's rows 0-3 would share banks in pairs under the swizzle (128-byte:
   // rows r and r ^ 1; 64-byte: r and r ^ 2; ncu: half of the stores' wavefronts excessive). Under
@@ -151,7 +162,7 @@ struct BwdTraits {
   using GmemTiledCopydV = GmemTiledCopyOf<kHeadDimV>;
 
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
-  using PipelineState = typename PipelineQ::PipelineState;
+  using PipelinedO = cutlass::PipelineTmaAsync<kdOStages>;
 
   struct NoSmemP {
     CUTE_HOST_DEVICE Element* data() { return nullptr; }
@@ -163,11 +174,11 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
     alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> smem_ds;
-    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim> smem_dq;
+    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim / kdQParts * kdQBuffers> smem_dq;
     alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
-    alignas(16) typename PipelineQ::SharedStorage pipeline_do;
+    alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
