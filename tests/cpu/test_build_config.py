@@ -646,3 +646,31 @@ def test_small_bwd_tile_fits_sm86_and_its_warp_layouts(d):
     # Each warp takes 16 x 16 per step of each GEMM: (bm, bn), (bn, d), (bm, d).
     for rows, cols, wm in ((bm, bn, wm_sdp), (bn, d, wn_dkv), (bm, d, wm_dq)):
         assert warps % wm == 0 and rows % (16 * wm) == 0 and cols % (16 * (warps // wm)) == 0
+
+
+def _cmake_options():
+    """(name, default) of every ft_option in cmake/options.cmake."""
+    text = open(os.path.join(ROOT, "cmake", "options.cmake")).read()
+    return re.findall(r'^ft_option\((FLASHTILE_\w+) "([^"]*)"', text, re.M)
+
+
+def test_every_build_option_is_documented_with_its_default():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    rows = dict(re.findall(r"^\| `(FLASHTILE_\w+)` \| ([^|]+) \|", readme, re.M))
+    options = _cmake_options()
+    assert len(options) >= 10
+    for name, default in options:
+        assert name in rows, f"{name} is missing from README's build-option table"
+        if default.startswith("-") or default in ("ON", "OFF"):
+            assert rows[name].strip() == f"`{default}`", name
+
+
+@pytest.mark.parametrize("name", [n for n, d in _cmake_options() if d == "-1"])
+def test_tuning_override_reaches_the_compiler_and_the_headers(name):
+    # A -1 ("policy") override is inert unless nvcc gets it and a header gives it the same default.
+    flags = open(os.path.join(ROOT, "cmake", "cuda_flags.cmake")).read()
+    assert f"-D{name}=${{{name}}}" in flags
+    headers = "".join(open(os.path.join(ROOT, d, f)).read() for d in ("common", "hopper", "ampere")
+                      for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".h"))
+    assert re.search(rf"#ifndef {name}\n#define {name} -1\n#endif", headers), name
+    assert headers.count(name) >= 3, f"{name} is defined but never read"
