@@ -46,6 +46,7 @@
 #include "hopper/bwd_traits.h"
 #include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
+#include "hopper/pipeline_params.h"
 #include "hopper/wgmma_utils.h"
 
 namespace flashtile::hopper {
@@ -74,17 +75,6 @@ struct BwdKernelParams {
   TmaV tma_v;
   TmadQ tma_dq;
 };
-
-// A Q or dO load pipeline: warpgroup 0 produces (thread 0 leads), the consumer threads consume.
-template <class Pipeline>
-CUTE_DEVICE typename Pipeline::Params load_pipeline_params(bool producer, int consumers, uint32_t transaction_bytes) {
-  typename Pipeline::Params params;
-  params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = consumers;
-  params.transaction_bytes = transaction_bytes;
-  return params;
-}
 
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
@@ -153,9 +143,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor());
   }
   bool const producer = warp_group_idx == 0;
-  PipelineQ pipeline_q(ss.pipeline_q, load_pipeline_params<PipelineQ>(producer, kNMmaThreads, Traits::kTmaBytesQ),
+  PipelineQ pipeline_q(ss.pipeline_q, tma_pipeline_params<PipelineQ>(producer, kNMmaThreads, Traits::kTmaBytesQ),
                        Shape<_1, _1, _1>{});
-  PipelinedO pipeline_do(ss.pipeline_do, load_pipeline_params<PipelinedO>(producer, kNMmaThreads, Traits::kTmaBytesdO),
+  PipelinedO pipeline_do(ss.pipeline_do, tma_pipeline_params<PipelinedO>(producer, kNMmaThreads, Traits::kTmaBytesdO),
                          Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();

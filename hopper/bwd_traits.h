@@ -107,15 +107,12 @@ struct BwdTraits {
   // per step, each added by its own reduce-add, in kdQBuffers buffers.
   //  kdQPerWg: one part per consumer warpgroup (the rows or columns of dQ its MMA owns), each in its
   //    own buffer with its own barrier pair, the buffers one after the other as a (block_m, d) tile;
-  //  kdQSerial (two column passes and no room for the whole tile): one part per pass, staged in
-  //    turn in one (block_m, d / 2) buffer;
+  //  kdQSerial (two column passes, no room for the whole tile): one part per pass, staged in turn
+  //    in one (block_m, d / 2) buffer;
   //  otherwise one part, the whole (block_m, d) tile.
   static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
-  static constexpr int kSmemBytesButdQ =
-      int(sizeof(Element)) * ((kQStages * kHeadDim + kdOStages * kHeadDimV) * kBlockM + kBlockN * (kHeadDim + kHeadDimV) +
-                              2 * kBlockM * kBlockN) +  // P and dS, or two dS stages
-      2048;  // statistics, barriers, alignment
-  static constexpr bool kdQSerial = kdQPasses == 2 && kSmemBytesButdQ + kBlockM * kHeadDim * 4 > 227 * 1024;
+  // d = 256 fits the whole tile with one Q and one dO stage only; a second stage takes half its room.
+  static constexpr bool kdQSerial = kdQPasses == 2 && kQStages + kdOStages > 2;
   static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : kdQSerial ? kdQPasses : 1;
   static constexpr int kdQBuffers = kdQPerWg ? kNMmaWarpGroups : 1;
   static constexpr bool kdQRowParts = kdQPerWg && kWgMdQ == kNMmaWarpGroups;

@@ -42,6 +42,7 @@
 #include "hopper/fwd_traits.h"
 #include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
+#include "hopper/pipeline_params.h"
 #include "hopper/tile_scheduler.h"
 #include "hopper/wgmma_utils.h"
 
@@ -166,26 +167,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
   }
-  typename MainloopPipeline::Params pipe_params;
-  pipe_params.role = warp_group_idx == 0 ? MainloopPipeline::ThreadCategory::Producer
-                                         : MainloopPipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Traits::kNMmaThreads;
-  typename Traits::PipelineQ::Params pipe_params_q;  // a type of its own when kQStages != kStages
-  pipe_params_q.role = warp_group_idx == 0 ? Traits::PipelineQ::ThreadCategory::Producer
-                                           : Traits::PipelineQ::ThreadCategory::Consumer;
-  pipe_params_q.is_leader = pipe_params.is_leader;
-  pipe_params_q.num_consumers = Traits::kNMmaThreads;
-  pipe_params_q.transaction_bytes = kp.tma_bytes_q;
-  typename Traits::PipelineQ pipeline_q(ss.pipeline_q, pipe_params_q, Shape<_1, _1, _1>{});
-  pipe_params.transaction_bytes = Traits::kTmaBytesK;
+  bool const producer = warp_group_idx == 0;
+  // PipelineQ is a type of its own when kQStages != kStages.
+  typename Traits::PipelineQ pipeline_q(
+      ss.pipeline_q, tma_pipeline_params<typename Traits::PipelineQ>(producer, Traits::kNMmaThreads, kp.tma_bytes_q),
+      Shape<_1, _1, _1>{});
   // K/V: a stage is free again once the consumers of every CTA of the cluster have released it (the
   // pipeline spreads each warpgroup's release over the cluster's CTAs); the transaction bytes stay a
   // whole block, since every CTA receives all of it.
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
-  MainloopPipeline pipeline_k(ss.pipeline_k, pipe_params, ClusterShape{});
-  pipe_params.transaction_bytes = Traits::kTmaBytesV;
-  MainloopPipeline pipeline_v(ss.pipeline_v, pipe_params, ClusterShape{});
+  MainloopPipeline pipeline_k(
+      ss.pipeline_k, tma_pipeline_params<MainloopPipeline>(producer, Traits::kNMmaThreads, Traits::kTmaBytesK), ClusterShape{});
+  MainloopPipeline pipeline_v(
+      ss.pipeline_v, tma_pipeline_params<MainloopPipeline>(producer, Traits::kNMmaThreads, Traits::kTmaBytesV), ClusterShape{});
   // Q is the CTA's own: its stages are released by arrivals on this CTA's barrier. (PipelineTmaAsync
   // built for a cluster of one would send them to the cluster's first CTA.)
   auto release_q = [&](int stage) { ss.pipeline_q.empty_barrier_[stage].arrive(); };
