@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             while (*reinterpret_cast<int const volatile*>(semaphore) != n_block_hi - 1 - n_block) {}
             __threadfence();
           }
+          __syncwarp();  // the warp reconverges before its aligned bar.sync below
         }
         static_assert(kdQParts <= 2);
         if constexpr (kdQBuffers == kdQParts) {  // one buffer per part: all issued, then all freed
