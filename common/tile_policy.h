@@ -173,9 +173,9 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
 // dV, Q after dK, before dQ's second pass): the next loads then overlap the rest of the step. With
 // both released at the end of the step the consumers waited for them every step (ncu: a third of
 // their stall samples); releasing early gained 7-21% (H100). A second Q stage instead (at the cost of
-// one dO stage and half the dQ staging tile, whose two column passes then take turns in it:
-// Traits::kdQSerial) gained less: 299 / 353 / 381 TFLOP/s non-causal at 1k / 4k / 16k against
-// 313 / 393 / 424 with one stage of each, and it lost 1-3% causal.
+// one dO stage and half the dQ staging tile, whose two column passes then took turns in it) gained
+// less: 299 / 353 / 381 TFLOP/s non-causal at 1k / 4k / 16k against 313 / 393 / 424 with one stage
+// of each, and it lost 1-3% causal; it was removed.
 struct HopperBwdTile {
   int block_m;
   int block_n;
@@ -190,14 +190,10 @@ struct HopperBwdTile {
   bool dq_overlap;
 };
 
-// Build-time overrides of the Hopper backward tile, for measuring their gain (-1 = policy):
+// Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
 // FLASHTILE_BWD_ORDER: HopperBwdTile::dq_overlap (0 off, 1 on; block_n = 128 only).
-// FLASHTILE_BWD_Q_STAGES: HopperBwdTile::q_stages at d = 256 (2: the staging tile shared by dQ's passes).
 #ifndef FLASHTILE_BWD_ORDER
 #define FLASHTILE_BWD_ORDER -1
-#endif
-#ifndef FLASHTILE_BWD_Q_STAGES
-#define FLASHTILE_BWD_Q_STAGES -1
 #endif
 
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
@@ -208,7 +204,6 @@ constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
                     : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false}
                                : HopperBwdTile{64, 64, 1, 1, 24, 240, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
-  if (d > 192 && FLASHTILE_BWD_Q_STAGES > 0) { t.q_stages = FLASHTILE_BWD_Q_STAGES; }
   return t;
 }
 

@@ -11,8 +11,7 @@
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
-//                        both parts of a step behind the step's one semaphore turn. Under kdQSerial
-//                        the two column passes of dQ in turn through one buffer and barrier pair.
+//                        both parts of a step behind the step's one semaphore turn.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
 //                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
 //                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
@@ -94,8 +93,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDimV = Traits::kHeadDimV;
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
   constexpr int kdQParts = Traits::kdQParts;
-  constexpr int kdQBuffers = Traits::kdQBuffers;
-  constexpr int kdQSyncThreads = kNMmaThreads / kdQBuffers + 32;  // a buffer's consumers + the dQ writer warp
+  constexpr int kdQSyncThreads = kNMmaThreads / kdQParts + 32;  // a part's consumers + the dQ writer warp
   BwdParams const& params = kp.bwd;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -230,37 +228,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           __syncwarp();  // the warp reconverges before its aligned bar.sync below
         }
         static_assert(kdQParts <= 2);
-        if constexpr (kdQBuffers == kdQParts) {  // one buffer per part: all issued, then all freed
-          CUTE_UNROLL
-          for (int part = 0; part < kdQParts; ++part) {
-            cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
-            if (lane == 0) {
-              copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
-              tma_store_arrive();
-            }
+        // Every part issued, then each freed once its staging has been read.
+        CUTE_UNROLL
+        for (int part = 0; part < kdQParts; ++part) {
+          cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
+          if (lane == 0) {
+            copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
+            tma_store_arrive();
           }
-          CUTE_UNROLL
-          for (int part = 0; part < kdQParts; ++part) {
-            if (lane == 0) {  // the part's staging has been read (its bulk group and all older ones)
-              if (part + 1 < kdQParts) { tma_store_wait<1>(); } else { tma_store_wait<0>(); }
-            }
-            __syncwarp();
-            if (step + 1 < num_steps) { cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(part)); }
+        }
+        CUTE_UNROLL
+        for (int part = 0; part < kdQParts; ++part) {
+          if (lane == 0) {  // the part's staging has been read (its bulk group and all older ones)
+            if (part + 1 < kdQParts) { tma_store_wait<1>(); } else { tma_store_wait<0>(); }
           }
-        } else {  // the parts take turns in one buffer: each freed once read
-          CUTE_UNROLL
-          for (int part = 0; part < kdQParts; ++part) {
-            cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(0));
-            if (lane == 0) {
-              copy(kp.tma_dq, tdQsdQ(0), tdQgdQ(part));
-              tma_store_arrive();
-              tma_store_wait<0>();
-            }
-            __syncwarp();
-            if (step + 1 < num_steps || part + 1 < kdQParts) {
-              cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(0));
-            }
-          }
+          __syncwarp();
+          if (step + 1 < num_steps) { cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_empty_barrier(part)); }
         }
         if (lane == 0 && b.deterministic) {
           bulk_wait_all_complete();  // the adds have landed before the next KV block's turn
@@ -337,10 +320,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto stage_dq = [&](auto const& acc_dq, int pass) {
     auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
     copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
-         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, kdQBuffers < kdQParts ? 0 : pass))));
+         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
   };
   // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
-  int const dq_part = kdQBuffers == 1 ? 0 : thread_idx / 128;
+  int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;
   auto dq_wait_empty = [&](bool first) {
     if (!first) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
   };
@@ -567,14 +550,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       pipeline_do.consumer_release(read_do);
       static_assert(Traits::kdQPasses <= 2);
       if constexpr (Traits::kdQPasses == 2) {
-        if constexpr (Traits::kdQSerial) { dq_staged(); }  // the passes take turns in one buffer
         dq_gemm(0, 1, acc_dq);
         warpgroup_wait<1>();  // dK done; dQ's second pass still running
         warpgroup_fence_operand(acc_dk);
         pipeline_q.consumer_release(read_q);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);
-        if constexpr (Traits::kdQSerial) { dq_wait_empty(false); }
         stage_dq(acc_dq, 1);
       } else {
         warpgroup_wait<0>();

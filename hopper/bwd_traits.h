@@ -103,22 +103,20 @@ struct BwdTraits {
   using SmemLayoutKt = Transposed2<SmemLayoutK, kBlockN, kHeadDim>;
   using SmemLayoutPdSt = Transposed2<SmemLayoutPdS, kBlockM, kBlockN>;
   using SmemLayoutdSt = Transposed3<SmemLayoutdS, kBlockM, kBlockN, kdSStages>;
-  // fp32 dQ staging, swizzled, read by the TMA reduce-adds into the dq accumulator: kdQParts parts
-  // per step, each added by its own reduce-add, in kdQBuffers buffers.
-  //  kdQPerWg: one part per consumer warpgroup (the rows or columns of dQ its MMA owns), each in its
-  //    own buffer with its own barrier pair, the buffers one after the other as a (block_m, d) tile;
-  //  kdQSerial (two column passes, no room for the whole tile): one part per pass, staged in turn
-  //    in one (block_m, d / 2) buffer;
-  //  otherwise one part, the whole (block_m, d) tile.
+  // fp32 dQ staging, swizzled, read by the TMA reduce-adds into the dq accumulator: the whole
+  // (block_m, d) tile (dQ's column passes, d = 256, each into its own columns), in kdQParts parts,
+  // each with its own buffer, barrier pair and reduce-add.
+  //  kdQPerWg: one part per consumer warpgroup (the rows or columns of dQ its MMA owns), the buffers
+  //    one after the other as a (block_m, d) tile;
+  //  otherwise one part, the whole tile.
   static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
-  // d = 256 fits the whole tile with one Q and one dO stage only; a second stage takes half its room.
-  static constexpr bool kdQSerial = kdQPasses == 2 && kQStages + kdOStages > 2;
-  static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : kdQSerial ? kdQPasses : 1;
-  static constexpr int kdQBuffers = kdQPerWg ? kNMmaWarpGroups : 1;
+  static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
+  static_assert(kdQPasses == 1 || kQStages + kdOStages == 2,
+                "d = 256 fits the whole dQ staging tile with one Q and one dO stage only");
   static constexpr bool kdQRowParts = kdQPerWg && kWgMdQ == kNMmaWarpGroups;
   static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
   static constexpr int kdQPartCols = kdQRowParts ? kHeadDim : kHeadDim / kdQParts;
-  static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0 && (kdQBuffers == kdQParts || kdQBuffers == 1));
+  static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0);
   static constexpr bool kdQSw128 = kdQPartCols % 32 == 0;
   using SmemAtomdQ = std::conditional_t<kdQSw128, GMMA::Layout_K_SW128_Atom<ElementAccum>,
                                         GMMA::Layout_K_SW64_Atom<ElementAccum>>;
@@ -130,7 +128,7 @@ struct BwdTraits {
       decltype(composition(tile_to_shape(SmemAtomdQ{}, Shape<Int<kdQPartRows>, Int<kHeadDim>, Int<kdQParts>>{}),
                            Layout<Shape<Shape<Int<kdQPartRows>, Int<kdQParts>>, Int<kHeadDim>>,
                                   Stride<Stride<_1, Int<kdQPartRows * kHeadDim>>, Int<kdQPartRows>>>{})),
-      decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim / kdQParts * kdQBuffers>>{}))>;
+      decltype(tile_to_shape(SmemAtomdQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}))>;
   // Bank conflicts of the dQ staging: a warp's 64-bit accumulator store covers rows 0-7 (lanes / 4)
   // of 8 columns, and a half-warp's rows 0-3 would share banks in pairs under the swizzle (128-byte:
   // rows r and r ^ 1; 64-byte: r and r ^ 2; ncu: half of the stores' wavefronts excessive). Under
@@ -171,7 +169,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
     alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> smem_ds;
-    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim / kdQParts * kdQBuffers> smem_dq;
+    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim> smem_dq;
     alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;

@@ -13,7 +13,7 @@ so that anything the kernels fail to write or clear is NaN and fails the check.
 Covered: every built dtype and head dim, MHA/GQA/MQA, causal, local windows, softcap, odd and unequal
 sequence lengths (one 4224^2 case per mask), batch 1..9, fully masked rows (their dq is exactly 0),
 varlen with empty sequences and rows outside every sequence (checked per sequence against the padded
-reference), seqused_q/k and KV caches, strided and qkv-packed inputs, the LSE's own gradient (dlse),
+reference), head dims inside a bucket, seqused_q/k and KV caches, strided and qkv-packed inputs, the LSE's own gradient (dlse),
 empty problems, each kernel family forced (path="ampere" / "hopper"), a missing backward, deterministic
 mode (bitwise identical repeats), CUDA-graph capture, a finite-difference check against float64, and a
 short training run tracking PyTorch SDPA.
@@ -37,7 +37,7 @@ from flashtile.testing import check_close, generate_cu_seqlens, random_qkv, tole
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_fwd import DTYPES, HDIM_IDS, HEAD_DIMS, poison_allocator  # noqa: E402  (shared GPU-test helpers)
+from test_fwd import DTYPES, HDIM_IDS, HEAD_DIMS, INNER_HEAD_DIMS, poison_allocator  # noqa: E402  (shared GPU-test helpers)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -193,6 +193,22 @@ def test_bwd_batch9(dtype, hdim, causal, seed):
     require_built(dtype, d, dv, band=causal)
     q, k, v = random_qkv(9, 65, 129, 2, 2, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
     check_padded(q, k, v, seed=seed, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hdim", INNER_HEAD_DIMS, ids=[f"d{a}x{b}" for a, b in INNER_HEAD_DIMS])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("path", ["ampere", "hopper"])
+def test_bwd_head_dim_inside_bucket(path, dtype, hdim, causal, seed):
+    """Head dims below their bucket (e.g. 120 and 72 run on 128 and 96): the dq accumulator's padded
+    columns, and on the Hopper path its column order within 16-column groups (d 120 ends inside a
+    group), must leave the real columns exact."""
+    if path == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper path needs an sm_90 GPU")
+    d, dv = hdim
+    require_built(dtype, d, dv, band=causal, path=path)
+    q, k, v = random_qkv(2, 113, 203, 6, 2, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    check_padded(q, k, v, seed=seed, causal=causal, path=path)
 
 
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((64, -1), True)]
