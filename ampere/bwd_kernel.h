@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     // past head_dim add exact zeros (P = 0 there; K's padding columns are zero-filled).
     float* const gdQacc = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
                           bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride;
-    red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc, int(b.dq_accum_row_stride));
+    red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc);
     if (b.deterministic) { pass_dq_turn(semaphore); }
     st.advance(m_block_min, m_block_max);
   }

@@ -269,33 +269,14 @@ CUTE_DEVICE void apply_mask(TensorAcc& acc, TensorC const& tC, BandMask const& m
   }
 }
 
-// Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM
-// that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).
-CUTE_DEVICE void red_add(float* ptr, float value) {
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
-}
-
 // acc (the fp32 16x8-atom accumulator fragment of tiled_mma over a kRows x kD tile) added to the tile at
-// g (row stride `row_stride`) stored in DqAccumPerm<kD>'s order, so a warp's reduction covers 256
-// contiguous bytes. The thread's coordinates come from a re-read thread index: derived once they were
-// loop-invariant addresses, hoisted out of the walk and spilled. Each atom holds two adjacent columns
-// per row; sm_90 adds them with one 8-byte vector reduction. Offsets are 32-bit: a tile spans kRows
-// rows of the accumulator, far below 2^31 elements.
+// g in DqAccumPerm<kD>'s order (red_add_dq_perm). The thread's coordinates come from a re-read thread
+// index: derived once they were loop-invariant addresses, hoisted out of the walk and spilled.
 template <int kRows, int kD, class TensorAcc, class TiledMma>
-CUTE_DEVICE void red_add_fragment_perm(TensorAcc const& acc, TiledMma const& tiled_mma, float* g, int row_stride) {
-  Tensor tC = tiled_mma.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{}));
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    int sr, sc;
-    DqAccumPerm<kD>::map(get<0>(tC(i)), get<1>(tC(i)), sr, sc);
-    float* const ptr = g + (sr * row_stride + sc);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
-#else
-    red_add(ptr, acc(i));
-    red_add(ptr + 1, acc(i + 1));
-#endif
-  }
+CUTE_DEVICE void red_add_fragment_perm(TensorAcc const& acc, TiledMma const& tiled_mma, float* g) {
+  red_add_dq_perm<kD>(acc,
+                      tiled_mma.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{})),
+                      g, 0);
 }
 
 // Per-column-group predicate of a tiled copy: tC is its (CPY, CPY_M, CPY_K) partition of an identity

@@ -1,8 +1,10 @@
-// The Ampere path's storage order of the fp32 dq accumulator (DqAccumPerm), shared by the backward
-// kernel that adds into it and the postprocess that reads it back.
+// Storage order of the fp32 dq accumulator that the backward kernels add into from registers
+// (DqAccumPerm: the Ampere path, and the Hopper path under HopperBwdTile::dq_red), shared with the
+// postprocess that reads it back, and the vector reductions that add an accumulator fragment into it.
 #pragma once
 
 #include <cute/config.hpp>
+#include <cute/tensor.hpp>
 
 namespace flashtile {
 
@@ -26,5 +28,44 @@ struct DqAccumPerm {
     sc = int(lin % unsigned(kD));
   }
 };
+
+// Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM
+// that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).
+CUTE_DEVICE void red_add(float* ptr, float value) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(value) : "memory");
+}
+
+// acc, an fp32 accumulator fragment in the 16x8 atom order that mma.sync and WGMMA share (two adjacent
+// columns per row: entries i, i + 1 for even i), added to the tile at g (rows from an 8-aligned origin,
+// contiguous: row stride kD) stored in DqAccumPerm<kD>'s order, so a warp's reduction covers 256
+// contiguous bytes. tC holds the entries' (row, column) in the tile; col0 is added to the columns (a
+// column pass of the tile). With contiguous rows an entry's offset is the thread's first entry's plus
+// a compile-time constant (rows step by 8, columns by 8 within the fragment), so every add is one
+// instruction on one base address. sm_90 adds each pair with one 8-byte vector reduction.
+template <int kD, class TensorAcc, class TensorC>
+CUTE_DEVICE void red_add_dq_perm(TensorAcc const& acc, TensorC const& tC, float* g, int col0) {
+  auto const t0 = *tC.data();
+  int r0, c0;
+  DqAccumPerm<kD>::map(cute::get<0>(t0), col0 + cute::get<1>(t0), r0, c0);
+  float* const base = g + (r0 * kD + c0);
+  cute::for_each(cute::make_int_sequence<decltype(cute::size(acc))::value / 2>{}, [&](auto pair) {
+    // (r, c) is stored at (r & ~7) * kD + 64 (c / 8) + 8 (r % 8) + c % 8: an entry (dr, dc) past the
+    // first, both multiples of 8, is dr * kD + 8 dc past it.
+    constexpr int i = 2 * decltype(pair)::value;
+    using Off = decltype(tC.layout()(cute::Int<i>{}));
+    using OffNext = decltype(tC.layout()(cute::Int<i + 1>{}));
+    constexpr int dr = decltype(cute::get<0>(Off{}))::value, dc = decltype(cute::get<1>(Off{}))::value;
+    static_assert(dr % 8 == 0 && dc % 8 == 0, "fragment entries step by whole 8 x 8 blocks");
+    static_assert(decltype(cute::get<0>(OffNext{}))::value == dr && decltype(cute::get<1>(OffNext{}))::value == dc + 1,
+                  "entries i, i + 1 are adjacent columns of one row");
+    float* const ptr = base + (dr * kD + dc * 8);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(acc(i)), "f"(acc(i + 1)) : "memory");
+#else
+    red_add(ptr, acc(i));
+    red_add(ptr + 1, acc(i + 1));
+#endif
+  });
+}
 
 }  // namespace flashtile

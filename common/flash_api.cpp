@@ -125,6 +125,9 @@ FT_EXPORT int ft_mha_bwd(FtBwdParams const* params, void* stream) {
   if (!b.dout || !b.dq || !b.dk || !b.dv || !b.dq_accum || !b.dsoftmax_sum || !b.lse_log2) {
     return fail(kFtInvalidArgument, "a gradient or workspace pointer is NULL");
   }
+  if (b.dq_accum_row_stride != head_dim_bucket(p.head_dim)) {
+    return fail(kFtInvalidArgument, "dq_accum rows must be contiguous (row stride = the head-dim bucket)");
+  }
   if (b.deterministic && !b.dq_semaphore) {
     return fail(kFtInvalidArgument, "deterministic mode needs dq_semaphore");
   }

@@ -90,12 +90,12 @@ typedef struct FtFwdParams {
 // the tensors they differentiate (dq like q, dk like k, dv like v, dout like out); the strides below are
 // element strides with the last dim contiguous; varlen ignores batch strides as in the forward.
 // Workspaces (fp32, caller-allocated, e.g. through PyTorch's caching allocator; no cudaMalloc here):
-//   dq_accum:     q's layout padded so the main kernel adds whole tiles without bounds checks (its own
-//                 strides, rows and head dim contiguous as in q): head dim rounded up to its bucket
-//                 (64/96/128/192/256); padded: (batch, round_up(seqlen_q, FT_BWD_ACCUM_ROW_PAD),
-//                 heads, d); varlen: (total_q + FT_BWD_ACCUM_ROW_PAD * batch, heads, d) with batch
-//                 b's rows starting at cu_seqlens_q[b] + FT_BWD_ACCUM_ROW_PAD * b. Cleared by the
-//                 preprocess where it is read back.
+//   dq_accum:     head-major and padded so the main kernels add whole tiles without bounds checks, each
+//                 head's rows contiguous (row stride = the head-dim bucket, 64/96/128/192/256, that
+//                 its rows are rounded up to): padded: (batch, heads, round_up(seqlen_q,
+//                 FT_BWD_ACCUM_ROW_PAD), d); varlen: (heads, total_q + FT_BWD_ACCUM_ROW_PAD * batch, d)
+//                 with batch b's rows starting at cu_seqlens_q[b] + FT_BWD_ACCUM_ROW_PAD * b. Cleared by
+//                 the preprocess where it is read back; its element order within a head is the kernel's.
 //   dsoftmax_sum: lse's layout; written by the preprocess (rowsum(dout * out) - dlse)
 //   lse_log2:     lse's layout; written by the preprocess (lse * log2(e); +inf for rows without keys)
 //   dq_semaphore: deterministic mode only (else NULL): int32, batch * num_heads *

@@ -188,6 +188,11 @@ struct HopperBwdTile {
   // tile with its own barriers to the dQ writer. Otherwise dV and dK are issued as soon as P^T and
   // dS^T are ready and dQ is staged as one tile after all three GEMMs have completed.
   bool dq_overlap;
+  // dQ added into the fp32 accumulator straight from the consumers' registers (red.global.add.v2.f32
+  // into common/dq_accum_perm.h's order, where each warp-wide add covers 256 contiguous bytes)
+  // instead of staged in shared memory for a TMA reduce-add: no staging tile, no writer handshake,
+  // and the staging stores and TMA reads leave the shared-memory pipe the SS GEMMs are bound by.
+  bool dq_red;
 };
 
 // Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
@@ -195,15 +200,22 @@ struct HopperBwdTile {
 #ifndef FLASHTILE_BWD_ORDER
 #define FLASHTILE_BWD_ORDER -1
 #endif
+// FLASHTILE_BWD_DQ_RED: HopperBwdTile::dq_red (0 off, 1 on).
+#ifndef FLASHTILE_BWD_DQ_RED
+#define FLASHTILE_BWD_DQ_RED -1
+#endif
 
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
 constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false}
-                    : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true}
-                    : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false}
-                               : HopperBwdTile{64, 64, 1, 1, 24, 240, false};
+  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false, false}
+                    : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true, false}
+                    : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false, false}
+                               : HopperBwdTile{64, 64, 1, 1, 24, 240, false, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
+  if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
+  // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
+  if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }
   return t;
 }
 

@@ -11,11 +11,13 @@
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
-//                        both parts of a step behind the step's one semaphore turn.
+//                        both parts of a step behind the step's one semaphore turn. Idle under kdQRed.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
 //                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
 //                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
-//                        (accumulated in registers over the whole walk); dQ = dS K staged for the writer.
+//                        (accumulated in registers over the whole walk); dQ = dS K staged for the writer,
+//                        or under kdQRed added into the accumulator from registers (8-byte vector
+//                        reductions in DqAccumPerm order; the consumers take the deterministic turn).
 // Consumer synchronization per step (named barriers over the 256 consumer threads): kPdSFull once dS
 // (and P) of the step are in shared memory, since both warpgroups read all of them; without kSwapSdP,
 // kPdSEmpty before they are overwritten (kSwapSdP double-buffers dS instead). The Q and dO stages are
@@ -37,6 +39,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/bwd_params.h"
+#include "common/dq_accum_perm.h"
 #include "common/epilogue.h"
 #include "common/fragment.h"
 #include "common/mask.h"
@@ -78,7 +81,7 @@ struct BwdKernelParams {
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-static_assert(int(BwdNamedBarrier::kdQFull2) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
+static_assert(int(BwdNamedBarrier::kdQTurn) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
@@ -113,6 +116,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const group = params.fwd.h_h_k_ratio;
   int const num_steps = num_m_blocks * group;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
+  // Deterministic mode: the semaphore of query block `m_block` of head `bidh`, and the number of KV
+  // blocks whose dQ adds precede this CTA's there. One semaphore per query block: block_m >=
+  // FT_BWD_SEMAPHORE_ROWS, so the index stays below the sem_blocks allocated.
+  auto dq_semaphore = [&](int bidh, int m_block, int& expected) {
+    int n_block_lo, n_block_hi;
+    kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+    static_assert(kBlockM >= FT_BWD_SEMAPHORE_ROWS);
+    int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
+    expected = n_block_hi - 1 - n_block;
+    return b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
+  };
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -138,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor());
+    if constexpr (!Traits::kdQRed) { cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor()); }
   }
   bool const producer = warp_group_idx == 0;
   PipelineQ pipeline_q(ss.pipeline_q, tma_pipeline_params<PipelineQ>(producer, kNMmaThreads, Traits::kTmaBytesQ),
@@ -192,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         ++write_q;
         ++write_do;
       }
-    } else if (warp_idx == 1) {
+    } else if (!Traits::kdQRed && warp_idx == 1) {
       // -------------------------------------------------------------- dQ writer
       Tensor mdQ = kp.tma_dq.get_tma_tensor(kp.shape_dq_accum);
       auto cta_tma = kp.tma_dq.get_slice(_0{});
@@ -213,16 +227,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         };
         int* semaphore = nullptr;
         if (b.deterministic) {
-          int n_block_lo, n_block_hi;
-          kv_block_range<kIsBand>(p, seq, st.m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
-          // One semaphore per query block: block_m >= FT_BWD_SEMAPHORE_ROWS, so the index stays below
-          // the sem_blocks allocated.
-          static_assert(kBlockM >= FT_BWD_SEMAPHORE_ROWS);
-          int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
-          semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + st.bidh) * sem_blocks +
-                      st.m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
+          int expected;
+          semaphore = dq_semaphore(st.bidh, st.m_block, expected);
           if (lane == 0) {
-            while (*reinterpret_cast<int const volatile*>(semaphore) != n_block_hi - 1 - n_block) {}
+            while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
             __threadfence();
           }
           __syncwarp();  // the warp reconverges before its aligned bar.sync below
@@ -324,12 +332,48 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
   int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;
-  auto dq_wait_empty = [&](bool first) {
-    if (!first) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
+  // A step's dQ: dq_begin, then dq_put per column pass, then dq_end.
+  //  staged: wait for the staging part to be free; stage; hand it to the writer.
+  //  kdQRed: [deterministic: wait for the query block's turn]; add into the accumulator from
+  //    registers; [pass the turn once every consumer thread's adds are visible].
+  int* dq_sem = nullptr;
+  auto dq_begin = [&](BwdStep const& s, bool first) {
+    if constexpr (Traits::kdQRed) {
+      if (b.deterministic) {
+        int expected;
+        dq_sem = dq_semaphore(s.bidh, s.m_block, expected);
+        if (thread_idx == 0) {
+          while (*reinterpret_cast<int const volatile*>(dq_sem) != expected) {}
+          __threadfence();
+        }
+        cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kdQTurn));
+      }
+    } else {
+      if (!first) { cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_empty_barrier(dq_part)); }
+    }
   };
-  auto dq_staged = [&] {
-    tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
-    cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_full_barrier(dq_part));
+  auto dq_put = [&](auto const& acc_dq, int pass, BwdStep const& s) {
+    if constexpr (Traits::kdQRed) {
+      float* const g = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                       s.bidh * b.dq_accum_head_stride + int64_t(s.m_block) * kBlockM * b.dq_accum_row_stride;
+      red_add_dq_perm<kHeadDim>(acc_dq,
+                                mma_dq.get_thread_slice(thread_idx_reread() - 128).partition_C(make_identity_tensor(TileShapedQ{})),
+                                g, pass * kdQCols);
+    } else {
+      stage_dq(acc_dq, pass);
+    }
+  };
+  auto dq_end = [&] {
+    if constexpr (Traits::kdQRed) {
+      if (b.deterministic) {
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kdQTurn));
+        if (thread_idx == 0) { atomicAdd(dq_sem, 1); }
+      }
+    } else {
+      tma_store_fence();  // generic-proxy stores of dQ -> the writer's TMA reads
+      cutlass::arch::NamedBarrier::arrive(kdQSyncThreads, bwd_dq_full_barrier(dq_part));
+    }
   };
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
@@ -447,9 +491,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         dk_gemm();
         warpgroup_wait<1>();  // dQ done; dK still running
         warpgroup_fence_operand(acc_dq);
-        dq_wait_empty(step == 0);
-        stage_dq(acc_dq, 0);
-        dq_staged();
+        dq_begin(st, step == 0);
+        dq_put(acc_dq, 0, st);
+        dq_end();
         warpgroup_wait<0>();
         warpgroup_fence_operand(rdS);
         warpgroup_fence_operand(acc_dk);
@@ -463,9 +507,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dq);
         pipeline_q.consumer_release(read_q);
         pipeline_do.consumer_release(read_do);
-        dq_wait_empty(step == 0);
-        stage_dq(acc_dq, 0);
-        dq_staged();
+        dq_begin(st, step == 0);
+        dq_put(acc_dq, 0, st);
+        dq_end();
       }
     } else {
       Tensor tScS_rc = rowcol(tScS);
@@ -543,8 +587,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage_q), acc_dk);
       warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
       warpgroup_fence_operand(acc_dq);
-      dq_wait_empty(step == 0);
-      stage_dq(acc_dq, 0);
+      dq_begin(st, step == 0);
+      dq_put(acc_dq, 0, st);
       warpgroup_wait<1>();  // dV done; dK still running
       warpgroup_fence_operand(acc_dv);
       pipeline_do.consumer_release(read_do);
@@ -556,13 +600,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pipeline_q.consumer_release(read_q);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);
-        stage_dq(acc_dq, 1);
+        dq_put(acc_dq, 1, st);
       } else {
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dk);
         pipeline_q.consumer_release(read_q);
       }
-      dq_staged();
+      dq_end();
     }
     ++read_q;
     ++read_do;

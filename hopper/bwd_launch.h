@@ -48,17 +48,21 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
                            typename Traits::SmemLayoutK{}, Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, in(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                            typename Traits::SmemLayoutV{}, Shape<Int<Traits::kBlockN>, Int<kHeadDimV>>{}, _1{});
-  kp.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{},
-                            make_gmem_tensor(b.dq_accum, kp.shape_dq_accum, b.dq_accum_row_stride, b.dq_accum_head_stride,
-                                             b.dq_accum_batch_stride),
-                            typename Traits::SmemLayoutdQPart{},
-                            Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{});
+  if constexpr (!Traits::kdQRed) {
+    kp.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                              make_gmem_tensor(b.dq_accum, kp.shape_dq_accum, b.dq_accum_row_stride, b.dq_accum_head_stride,
+                                               b.dq_accum_batch_stride),
+                              typename Traits::SmemLayoutdQPart{},
+                              Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{});
+  }
 
-  if (LaunchStatus s = launch_bwd_preprocess<Element>(params, stream); !s.ok()) { return s; }
+  // The accumulator's order: DqAccumPerm when the kernel adds into it from registers, else row-major.
+  constexpr int kPermD = Traits::kdQRed ? kHeadDim : 0;
+  if (LaunchStatus s = launch_bwd_preprocess<Element, kPermD>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "hopper bwd_kernel launch"); !s.ok()) { return s; }
-  return launch_bwd_postprocess<Element>(params, stream);
+  return launch_bwd_postprocess<Element, kPermD>(params, stream);
 }
 
 }  // namespace flashtile::hopper

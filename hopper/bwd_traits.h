@@ -81,6 +81,9 @@ struct BwdTraits {
   static constexpr int kdQPasses = kHeadDim > 192 ? 2 : 1;
   static constexpr int kdQCols = kHeadDim / kdQPasses;
   static_assert(kdQPasses == 1 || !kSwapSdP);
+  // dQ added from the consumers' registers into the accumulator (DqAccumPerm order); otherwise
+  // staged below for the dQ writer's TMA reduce-adds.
+  static constexpr bool kdQRed = kTile.dq_red;
   using TiledMmadQ = TiledMmaOf<kBlockM, kdQCols, kBlockN, kWgMdQ, GMMA::Major::K, GMMA::Major::MN>;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kdQCols>>;  // the C tile of one dQ pass
 
@@ -111,7 +114,7 @@ struct BwdTraits {
   //  otherwise one part, the whole tile.
   static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
   static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
-  static_assert(kdQPasses == 1 || kQStages + kdOStages == 2,
+  static_assert(kdQRed || kdQPasses == 1 || kQStages + kdOStages == 2,
                 "d = 256 fits the whole dQ staging tile with one Q and one dO stage only");
   static constexpr bool kdQRowParts = kdQPerWg && kWgMdQ == kNMmaWarpGroups;
   static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
@@ -136,11 +139,13 @@ struct BwdTraits {
   // row j holds query perm(j), so accumulator row j is query perm(j) and is staged at its own row
   // perm(j), which puts a half-warp's rows in four distinct bank groups. The tile's rows in shared
   // and global memory keep their order. perm as bit strides (row bits 0, 1, 2, then the 8-row
-  // groups); 128-byte: j -> 2 j0 + 4 j1 + j2, 64-byte: j -> j0 + 4 j1 + 2 j2 (its own inverse).
-  using dQRowPerm = std::conditional_t<kdQSw128, Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_2, _4, _1, _8>>,
-                                       Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_1, _4, _2, _8>>>;
-  using dQRowPermInv = std::conditional_t<kdQSw128, Layout<Shape<_2, _2, _2, Int<kBlockM / 8>>, Stride<_4, _1, _2, _8>>,
-                                          dQRowPerm>;
+  // groups); 128-byte: j -> 2 j0 + 4 j1 + j2, 64-byte: j -> j0 + 4 j1 + 2 j2 (its own inverse);
+  // the identity under kdQRed (nothing staged).
+  using RowBits = Shape<_2, _2, _2, Int<kBlockM / 8>>;
+  using dQRowPerm = std::conditional_t<kdQRed, Layout<RowBits, Stride<_1, _2, _4, _8>>,
+                                       std::conditional_t<kdQSw128, Layout<RowBits, Stride<_2, _4, _1, _8>>,
+                                                          Layout<RowBits, Stride<_1, _4, _2, _8>>>>;
+  using dQRowPermInv = std::conditional_t<kdQSw128 && !kdQRed, Layout<RowBits, Stride<_4, _1, _2, _8>>, dQRowPerm>;
 
   using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // also dK/dV staging
   using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
@@ -159,17 +164,18 @@ struct BwdTraits {
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelinedO = cutlass::PipelineTmaAsync<kdOStages>;
 
-  struct NoSmemP {
-    CUTE_HOST_DEVICE Element* data() { return nullptr; }
+  template <class T>
+  struct NoSmem {
+    CUTE_HOST_DEVICE T* data() { return nullptr; }
   };
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;  // dK staged here at the end
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;  // dV staged here at the end
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>> smem_do;
-    alignas(1024) std::conditional_t<kSwapSdP, NoSmemP, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
+    alignas(1024) std::conditional_t<kSwapSdP, NoSmem<Element>, cute::array_aligned<Element, cosize_v<SmemLayoutPdS>>> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> smem_ds;
-    alignas(1024) cute::array_aligned<ElementAccum, kBlockM * kHeadDim> smem_dq;
+    alignas(1024) std::conditional_t<kdQRed, NoSmem<ElementAccum>, cute::array_aligned<ElementAccum, kBlockM * kHeadDim>> smem_dq;
     alignas(16) float smem_stats[2][2 * kBlockM];  // kSwapSdP: [step % 2][LSE (exp2 domain) rows, D rows]
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;

@@ -22,6 +22,7 @@ enum class BwdNamedBarrier : int {
   // dQ staged per consumer warpgroup: kdQEmpty/kdQFull serve warpgroup 1's part, these warpgroup 2's
   kdQEmpty2 = 5,
   kdQFull2 = 6,
+  kdQTurn = 7,  // all consumer threads (dq_red, deterministic mode): the query block's dQ turn, taken / done
 };
 
 // The staging barriers of dQ part `part` (one part per consumer warpgroup, or one for the tile).

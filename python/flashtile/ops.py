@@ -197,14 +197,22 @@ def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
 
 
 def _dq_accum(q: torch.Tensor, batch: int, varlen: bool) -> torch.Tensor:
-    """The fp32 dq accumulator (FtBwdParams.dq_accum): q's layout with the head dim rounded up to its
-    bucket and rows padded by FT_BWD_ACCUM_ROW_PAD (per batch element when packed)."""
+    """The fp32 dq accumulator (FtBwdParams.dq_accum), head-major so that each head's rows are
+    contiguous: (batch, heads, rows, d) or, packed, (heads, rows, d), with the head dim rounded up to
+    its bucket and rows padded by FT_BWD_ACCUM_ROW_PAD (per batch element when packed)."""
     pad = _lib.BWD_ACCUM_ROW_PAD
     d = head_dim_bucket(q.shape[-1])
     if varlen:
-        return torch.empty(q.shape[0] + pad * batch, q.shape[1], d, dtype=torch.float32, device=q.device)
+        return torch.empty(q.shape[1], q.shape[0] + pad * batch, d, dtype=torch.float32, device=q.device)
     b, sq, h = q.shape[:3]
-    return torch.empty(b, -(-sq // pad) * pad, h, d, dtype=torch.float32, device=q.device)
+    return torch.empty(b, h, -(-sq // pad) * pad, d, dtype=torch.float32, device=q.device)
+
+
+def _dq_accum_strides(acc: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) element strides of a _dq_accum tensor (batch stride 0 when packed)."""
+    if varlen:
+        return 0, acc.stride(1), acc.stride(0)
+    return acc.stride(0), acc.stride(2), acc.stride(1)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
@@ -243,7 +251,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride = _strides(dq, varlen_q)
     p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride = _strides(dk, varlen_k)
     p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride = _strides(dv, varlen_k)
-    p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride = _strides(dq_accum, varlen_q)
+    p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride = _dq_accum_strides(dq_accum, varlen_q)
     p.deterministic = int(deterministic)
     _launch("ft_mha_bwd", p, q.device, "backward")
     return dq, dk, dv

@@ -200,10 +200,10 @@ def test_bwd_params_padded(lib, deterministic):
     # dout and dlse are read in place when the kernels can.
     assert p.dout == dout.data_ptr() and _fields(p, "do") == dout.stride()[:3]
     assert p.dlse == dlse.data_ptr()
-    # Workspaces: distinct, 16-byte aligned; dq_accum is q's layout padded to whole 128-row tiles.
+    # Workspaces: distinct, 16-byte aligned; dq_accum is head-major, padded to whole 128-row tiles.
     ws = [p.dq_accum, p.dsoftmax_sum, p.lse_log2]
     assert len(set(ws)) == 3 and all(a % 16 == 0 for a in ws)
-    assert _fields(p, "dq_accum") == (128 * 6 * 128, 6 * 128, 128)
+    assert _fields(p, "dq_accum") == (6 * 128 * 128, 128, 128 * 128)
     if deterministic:
         assert p.deterministic == 1 and p.dq_semaphore
         assert seen["semaphore"] == [0] * (2 * 6 * 3)  # batch * heads * ceil(70 / 32), zeroed
@@ -257,8 +257,9 @@ def test_bwd_params_varlen_and_zeroed_gradients(lib):
     f = p.fwd
     assert (f.batch, f.seqlen_q, f.seqlen_k, f.rows_q, f.rows_k) == (3, 6, 17, 13, 25)
     assert (f.cu_seqlens_q, f.cu_seqlens_k) == (cu_q.data_ptr(), cu_k.data_ptr())
-    for name, heads in (("do", h), ("dq", h), ("dq_accum", h), ("dk", hk), ("dv", hk)):
+    for name, heads in (("do", h), ("dq", h), ("dk", hk), ("dv", hk)):
         assert _fields(p, name) == (0, heads * d, d), name  # packed rows: batch stride 0
+    assert _fields(p, "dq_accum") == (0, d, (13 + 3 * 128) * d)  # head-major: (heads, rows, d)
     # Rows outside every sequence are not written by the kernels: the gradients start zeroed.
     assert not (seen["dq"].any() or seen["dk"].any() or seen["dv"].any())
     assert seen["semaphore"] == [0] * (3 * h * 1)
@@ -333,10 +334,10 @@ def test_bwd_failure_raises_kernel_error(lib, rc):
 
 
 @pytest.mark.parametrize("shape, varlen, batch, expected", [
-    ((2, 70, 6, 128), False, 2, (2, 128, 6, 128)),     # rows rounded up to FT_BWD_ACCUM_ROW_PAD
-    ((3, 256, 4, 64), False, 3, (3, 256, 4, 64)),      # already a whole number of tiles
-    ((1, 5, 2, 72), False, 1, (1, 128, 2, 96)),        # head dim rounded up to its bucket
-    ((13, 4, 64), True, 3, (13 + 3 * 128, 4, 64)),     # packed: batches spaced FT_BWD_ACCUM_ROW_PAD apart
+    ((2, 70, 6, 128), False, 2, (2, 6, 128, 128)),     # head-major, rows rounded up to FT_BWD_ACCUM_ROW_PAD
+    ((3, 256, 4, 64), False, 3, (3, 4, 256, 64)),      # already a whole number of tiles
+    ((1, 5, 2, 72), False, 1, (1, 2, 128, 96)),        # head dim rounded up to its bucket
+    ((13, 4, 64), True, 3, (4, 13 + 3 * 128, 64)),     # packed: batches spaced FT_BWD_ACCUM_ROW_PAD apart
 ])
 def test_dq_accum_is_padded_to_whole_tiles(shape, varlen, batch, expected):
     from flashtile import ops
