@@ -36,10 +36,7 @@ using namespace cute;
 // Waits until the CTAs of the lower KV blocks have added their dQ contribution to this query block
 // (deterministic mode): `expected` of them precede this one.
 CUTE_DEVICE void wait_dq_turn(int const* semaphore, int expected) {
-  if (threadIdx.x == 0) {
-    while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
-    __threadfence();
-  }
+  if (threadIdx.x == 0) { wait_dq_semaphore(semaphore, expected); }
   __syncthreads();
 }
 

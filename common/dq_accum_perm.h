@@ -1,6 +1,7 @@
 // Storage order of the fp32 dq accumulator that the backward kernels add into from registers
 // (DqAccumPerm: the Ampere path, and the Hopper path under HopperBwdTile::dq_red), shared with the
-// postprocess that reads it back, and the vector reductions that add an accumulator fragment into it.
+// postprocess that reads it back; the vector reductions that add an accumulator fragment into it; the
+// deterministic mode's wait for a query block's turn.
 #pragma once
 
 #include <cute/config.hpp>
@@ -28,6 +29,13 @@ struct DqAccumPerm {
     sc = int(lin % unsigned(kD));
   }
 };
+
+// Deterministic mode, one thread: waits until the query block's semaphore counts `expected` earlier
+// adds, then orders this CTA's adds after theirs.
+CUTE_DEVICE void wait_dq_semaphore(int const* semaphore, int expected) {
+  while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
+  __threadfence();
+}
 
 // Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM
 // that atomicAdd can compile to, which costs a round trip and twice the L2 traffic).

@@ -229,10 +229,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (b.deterministic) {
           int expected;
           semaphore = dq_semaphore(st.bidh, st.m_block, expected);
-          if (lane == 0) {
-            while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
-            __threadfence();
-          }
+          if (lane == 0) { wait_dq_semaphore(semaphore, expected); }
           __syncwarp();  // the warp reconverges before its aligned bar.sync below
         }
         static_assert(kdQParts <= 2);
@@ -342,10 +339,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (b.deterministic) {
         int expected;
         dq_sem = dq_semaphore(s.bidh, s.m_block, expected);
-        if (thread_idx == 0) {
-          while (*reinterpret_cast<int const volatile*>(dq_sem) != expected) {}
-          __threadfence();
-        }
+        if (thread_idx == 0) { wait_dq_semaphore(dq_sem, expected); }
         cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kdQTurn));
       }
     } else {
