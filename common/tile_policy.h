@@ -131,8 +131,15 @@ struct HopperFwdTile {
 #ifndef FLASHTILE_HOPPER_CLUSTER
 #define FLASHTILE_HOPPER_CLUSTER -1
 #endif
+// Build-time override of the Hopper forward's tall tile (hopper_fwd_tall): 0 never, 1 wherever there
+// is one (d <= 128); -1 = policy.
+#ifndef FLASHTILE_HOPPER_FWD_TALL
+#define FLASHTILE_HOPPER_FWD_TALL -1
+#endif
 
-constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
+// tall: the tile with three consumer warpgroups (block_m 192), where the head dim has one (d <= 128;
+// see hopper_fwd_tall); elsewhere the same tile as tall = false.
+constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall = false) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
   // d <= 64: four K/V stages (160 KB with two Q stages) give the short blocks more loads in flight.
   // d = 256: block_n 80 with the overlapped schedule (S, P and O: 40 + 20 + 128 registers of the 240)
@@ -158,7 +165,32 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v) {
   }
   if (FLASHTILE_EXP_FMA_PER16 >= 0) { t.exp_fma_per16 = FLASHTILE_EXP_FMA_PER16; }
   if (FLASHTILE_HOPPER_CLUSTER > 0) { t.cluster_m = FLASHTILE_HOPPER_CLUSTER; }
+  // Tall: three consumer warpgroups of 64 rows, 160 registers each (24 + 3 * 160 <= 512 per thread
+  // slot). d <= 64: S, P and O take 64 + 32 + 32 of them (176 KB of shared memory with four K/V
+  // stages); d <= 128 with block_n 80: 40 + 20 + 64 (block_n 96 spilled), three K/V stages (216 KB;
+  // +0-4% over two, mostly causal).
+  if (tall && d <= 128) {
+    t.block_m = 192;
+    t.block_n = d <= 64 ? 128 : 80;
+    t.stages = d <= 64 ? 4 : 3;
+    t.consumer_regs = 160;
+  }
   return t;
+}
+
+// Host heuristic: whether a forward problem runs the tall tile (hopper_fwd_tile(.., true)). Measured
+// against the 128-row tile on an H100 (bf16, benchmarks/NOTES.md session 13): d 64 1.04-1.11x
+// non-causal at 2k-16k and 1.06-1.07x causal at 8k-16k; d 128 (192 x 80 against 128 x 128)
+// 1.04-1.10x non-causal at 2k-16k and 1.04-1.11x causal at 8k-16k (both 0.99-1.00x causal at 4k).
+// Below the thresholds it loses (d 64: 0.98x non-causal at 1k, 0.85-0.93x causal at 512-1k): 192
+// rows leave more of the last query block empty (a seqlen of 1k fills 5.3 of 6 blocks) and, under a
+// band mask, compute more of the masked-out corner of each diagonal block.
+constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, bool is_band, int seqlen_q) {
+  if (hopper_fwd_tile(head_dim, head_dim_v, true).block_m == hopper_fwd_tile(head_dim, head_dim_v).block_m) {
+    return false;
+  }
+  if (FLASHTILE_HOPPER_FWD_TALL >= 0) { return FLASHTILE_HOPPER_FWD_TALL == 1; }
+  return seqlen_q >= (is_band ? 4096 : 2048);
 }
 
 // Hopper backward (TMA + WGMMA, warp-specialized): each CTA owns block_n keys and walks the query

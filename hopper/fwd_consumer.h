@@ -6,12 +6,13 @@
 //   overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back, so the tensor cores run
 //            the PV GEMM while the warpgroup waits for S_j; the softmax of S_j then overlaps nothing
 //            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs.
-// Ping-pong (FwdTraits::kPingPong, two consumer warpgroups): before issuing its GEMMs a warpgroup
-// waits on its own named barrier, and after issuing them it arrives on the other's, so the GEMMs of
-// one warpgroup run while the other computes its softmax. Warpgroup 1 is released first by an
-// arrival of warpgroup 2; warpgroup 2 skips its final arrival, so every barrier phase completes. Both
-// warpgroups take the same tiles and so the same number of turns: per tile in the serial schedule,
-// over the CTA's whole walk in the overlap schedule.
+// Ping-pong (FwdTraits::kPingPong, two or three consumer warpgroups): the warpgroups issue their GEMMs
+// in a fixed ring order. Before issuing its GEMMs a warpgroup waits on its own named barrier, and after
+// issuing them it arrives on the next one's, so the GEMMs of one warpgroup run while the others
+// compute their softmax. Warpgroup 1 is released first by an arrival of the last warpgroup, which
+// skips its final arrival, so every barrier phase completes. All warpgroups take the same tiles and so
+// the same number of turns: per tile in the serial schedule, over the CTA's whole walk in the overlap
+// schedule.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,11 +30,12 @@ using namespace cute;
 
 template <class Traits>
 struct PingPong {
+  static constexpr int kN = Traits::kNMmaWarpGroups;
   int warp_group;  // 1-based consumer warpgroup index
 
   CUTE_DEVICE void start() const {
     if constexpr (Traits::kPingPong) {
-      if (warp_group == 2) { arrive_other(1); }
+      if (warp_group == kN) { arrive(1); }
     }
   }
   CUTE_DEVICE void wait_turn() const {
@@ -43,11 +45,12 @@ struct PingPong {
   }
   CUTE_DEVICE void pass_turn(bool last) const {
     if constexpr (Traits::kPingPong) {
-      if (!(last && warp_group == 2)) { arrive_other(warp_group == 1 ? 2 : 1); }
+      if (!(last && warp_group == kN)) { arrive(warp_group % kN + 1); }
     }
   }
-  CUTE_DEVICE static void arrive_other(int other) {
-    cutlass::arch::NamedBarrier::arrive(256, int(FwdNamedBarrier::kWarpGroup1) + other - 1);
+  // 256 threads per barrier phase: the waiting warpgroup and the one that passes it the turn.
+  CUTE_DEVICE static void arrive(int warp_group) {
+    cutlass::arch::NamedBarrier::arrive(256, int(FwdNamedBarrier::kWarpGroup1) + warp_group - 1);
   }
 };
 

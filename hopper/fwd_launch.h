@@ -145,9 +145,8 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
 // Chooses the cluster kernel where its static schedule applies: no band mask (tiles of one length),
 // fixed-length batches (cu_seqlens / seqused_q would give the CTAs of a cluster tiles of different
 // lengths, or one with no rows), no GQA packing, and query blocks that pair up exactly.
-template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
-LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+template <class Traits, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd_tile(FwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.abi;
   int const pack = fwd_pack_gqa(p, Traits::kBlockM);
   if constexpr (Traits::kClusterM > 1 && !kIsBand) {
@@ -157,6 +156,19 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
     }
   }
   return launch_fwd<Traits, kIsBand, kHasSoftcap, 1>(params, pack, stream);
+}
+
+// The tile (tall or not) from the tile policy's host heuristic, then the kernel.
+template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
+LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
+  using TraitsTall = FwdTraits<Element, kHeadDim, kHeadDimV, true>;
+  if constexpr (TraitsTall::kBlockM != Traits::kBlockM) {
+    if (hopper_fwd_tall(kHeadDim, kHeadDimV, kIsBand, params.abi.seqlen_q)) {
+      return run_fwd_tile<TraitsTall, kIsBand, kHasSoftcap>(params, stream);
+    }
+  }
+  return run_fwd_tile<Traits, kIsBand, kHasSoftcap>(params, stream);
 }
 
 }  // namespace flashtile::hopper

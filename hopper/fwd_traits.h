@@ -27,13 +27,14 @@ using SmemAtomKMajor = std::conditional_t<
     kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<T>,
     std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<T>, GMMA::Layout_K_SW32_Atom<T>>>;
 
-template <class Element_, int kHeadDim_, int kHeadDimV_>
+// kTall: the tile policy's tall tile (three consumer warpgroups) where the head dim has one.
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kTall = false>
 struct FwdTraits {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr HopperFwdTile kTile = hopper_fwd_tile(kHeadDim, kHeadDimV);
+  static constexpr HopperFwdTile kTile = hopper_fwd_tile(kHeadDim, kHeadDimV, kTall);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -43,7 +44,8 @@ struct FwdTraits {
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
   static constexpr bool kIntraWGOverlap = kTile.intra_wg_overlap;
-  static constexpr bool kPingPong = kTile.pingpong && kNMmaWarpGroups == 2;
+  static constexpr bool kPingPong = kTile.pingpong && kNMmaWarpGroups >= 2;
+  static_assert(kNMmaWarpGroups <= 3, "named barriers exist for three consumer warpgroups");
   static constexpr bool kLazyRescale = kTile.lazy_rescale;
   static constexpr int kExpFmaPer16 = kTile.exp_fma_per16;
   static constexpr int kClusterM = kTile.cluster_m;

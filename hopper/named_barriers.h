@@ -5,11 +5,13 @@
 namespace flashtile::hopper {
 
 enum class FwdNamedBarrier : int {
-  kEpilogue = 0,   // all consumer threads (serial schedule): O staged in shared memory
-  kWarpGroup1 = 1, // ping-pong turn of consumer warpgroup 1 (arrive: WG2, sync: WG1)
-  kWarpGroup2 = 2, // ping-pong turn of consumer warpgroup 2
-  kEpilogue1 = 3,  // consumer warpgroup 1's threads (overlap schedule): its O rows are staged
-  kEpilogue2 = 4,  // the same for consumer warpgroup 2
+  kEpilogue = 0,    // all consumer threads (serial schedule): O staged in shared memory
+  kWarpGroup1 = 1,  // ping-pong turn of consumer warpgroup 1 (arrive: the previous one, sync: WG1)
+  kWarpGroup2 = 2,  // ping-pong turn of consumer warpgroup 2
+  kWarpGroup3 = 3,  // ping-pong turn of consumer warpgroup 3 (block_m 192)
+  kEpilogue1 = 4,   // consumer warpgroup 1's threads (overlap schedule): its O rows are staged
+  kEpilogue2 = 5,   // the same for consumer warpgroups 2 and 3
+  kEpilogue3 = 6,
 };
 
 // Backward kernel (ids reused: a kernel uses one of the two sets).

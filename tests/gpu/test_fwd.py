@@ -266,6 +266,54 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+# Hopper forward at d <= 128 from 4k query rows (the tile policy's tall tile: 192 rows on three consumer
+# warpgroups, chosen by hopper_fwd_tall from seqlen_q 2k without a band mask and 4k with one): an odd
+# number of query blocks (the cluster-less kernel) and an even one (2-CTA clusters), a partial last
+# block, fewer keys than queries under the bottom-right causal mask, a local window, GQA packing
+# (q_per_tile 48 rows of 4 heads) and varlen sequences on both sides of the threshold.
+TALL_CASES = {
+    "full-odd": dict(sq=4100, sk=3001, h=2, hk=2, causal=False),
+    "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
+    "causal": dict(sq=4100, sk=3900, h=2, hk=2, causal=True),
+    "local": dict(sq=4097, sk=4097, h=2, hk=2, window_size=(300, 40)),
+    "pack": dict(sq=4096, sk=4096, h=8, hk=2, causal=True, pack_gqa=True),
+}
+
+
+def _tall_head_dims(dtype, band):
+    dims = [(d, dv) for d, dv in HEAD_DIMS if max(d, dv) <= 128
+            and find_kernels(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=False)]
+    if not dims:
+        pytest.skip(f"not built: fwd {dtype} with a head dim <= 128, band={band}")
+    return dims
+
+
+@pytest.mark.parametrize("case", list(TALL_CASES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_tall_tile(dtype, case, seed):
+    c = dict(TALL_CASES[case])
+    sq, sk, h, hk = c.pop("sq"), c.pop("sk"), c.pop("h"), c.pop("hk")
+    pack = c.pop("pack_gqa", None)
+    for d, dv in _tall_head_dims(dtype, band=c.get("causal", False) or "window_size" in c):
+        q, k, v = random_qkv(1, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+        out, lse = run_fwd(q, k, v, pack_gqa=pack, **c)
+        _check(f"d{d}x{dv} out", out, lse, _refs(q, k, v, **c))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_tall_tile_varlen(dtype, causal, seed):
+    lens_q, lens_k = [4500, 0, 700, 2200], [4000, 5, 700, 2500]
+    for d, dv in _tall_head_dims(dtype, band=causal):
+        q, k, v = _packed(lens_q, lens_k, 4, 2, d, dv, DTYPES[dtype], seed)
+        cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
+        poison_allocator(_out_bytes(q, dv))
+        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                          return_attn_probs=True)
+        refs = _per_sequence_ref(q, k, v, lens_q, lens_k, causal=causal, window_size=(-1, -1))
+        _check(f"d{d}x{dv} varlen out", out, lse, refs, varlen=True)
+
+
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((-1, 5), False), ((7, -1), False),
            ((64, -1), True)]
 WINDOW_SEQLENS = [(113, 203), (239, 1), (300, 129), (1023, 1024)]
