@@ -109,7 +109,7 @@ struct HopperFwdTile {
   int producer_regs;
   int consumer_regs;
   bool intra_wg_overlap;  // issue QK^T of block j with PV of block j+1
-  bool pingpong;          // alternate the two consumer warpgroups' GEMMs via named barriers
+  bool pingpong;          // the consumer warpgroups take turns issuing their GEMMs (named barriers)
   bool lazy_rescale;      // rescale O only when a row max moves enough (OnlineSoftmax::kRescaleLog2)
   int exp_fma_per16;      // exponentials per 16 score columns computed on the FMA pipe (exp2_fma)
   // CTAs per cluster along the query blocks; > 1: the CTAs of a cluster run adjacent query blocks of
