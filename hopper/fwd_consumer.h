@@ -5,7 +5,7 @@
 //   serial:  S_j = Q K_j^T; wait; softmax(S_j); O += P_j V_j; wait.
 //   overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} are issued back to back, so the tensor cores run
 //            the PV GEMM while the warpgroup waits for S_j; the softmax of S_j then overlaps nothing
-//            of its own warpgroup, but (kPingPong) the other warpgroup's GEMMs.
+//            of its own warpgroup, but (kPingPong) the other warpgroups' GEMMs.
 // Ping-pong (FwdTraits::kPingPong, two or three consumer warpgroups): the warpgroups issue their GEMMs
 // in a fixed ring order. Before issuing its GEMMs a warpgroup waits on its own named barrier, and after
 // issuing them it arrives on the next one's, so the GEMMs of one warpgroup run while the others
