@@ -20,5 +20,6 @@ ft_option(FLASHTILE_EMBED_PTX "OFF" "also embed PTX of the lowest arch of each k
 ft_option(FLASHTILE_HOPPER_SCHEDULE "-1" "Hopper consumer schedule override (0 serial, 1 overlap, 2 overlap+pingpong, 3 serial+pingpong; -1 policy)")
 ft_option(FLASHTILE_EXP_FMA_PER16 "-1" "Hopper forward: exponentials per 16 score columns on the FMA pipe (0-16; -1 policy)")
 ft_option(FLASHTILE_HOPPER_FWD_TALL "-1" "Hopper forward, d <= 128: the 192-row tile of three consumer warpgroups (0 never, 1 always; -1 policy)")
+ft_option(FLASHTILE_HOPPER_O_OVER_V "-1" "Hopper forward, one Q stage (d > 128): O staged over the V stages, Q released after the last S GEMM (0 off: over the Q stage; -1 policy)")
 ft_option(FLASHTILE_BWD_ORDER "-1" "Hopper backward, block_n 128: dQ between dV and dK, staged per warpgroup (0 off, 1 on; -1 policy)")
 ft_option(FLASHTILE_BWD_DQ_RED "-1" "Hopper backward: dQ added from registers (red.global) instead of staged for a TMA reduce-add (0 off, 1 on; -1 policy)")

@@ -49,8 +49,8 @@ struct PingPong {
     }
   }
   // 256 threads per barrier phase: the waiting warpgroup and the one that passes it the turn.
-  CUTE_DEVICE static void arrive(int warp_group) {
-    cutlass::arch::NamedBarrier::arrive(256, int(FwdNamedBarrier::kWarpGroup1) + warp_group - 1);
+  CUTE_DEVICE static void arrive(int to_warp_group) {
+    cutlass::arch::NamedBarrier::arrive(256, int(FwdNamedBarrier::kWarpGroup1) + to_warp_group - 1);
   }
 };
 
@@ -129,13 +129,14 @@ CUTE_DEVICE void first_block_softmax(TensorS& tSrS, TensorP& tOrP, TensorC const
 // turn issuing S_j = Q K_j^T and O += P_{j+1} V_{j+1} back to back, so the tensor cores run the PV
 // GEMM while the warpgroup waits for S_j. On entry tOrP / v_state hold the first block's P and V
 // stage, on return the last block's; its PV GEMM is left to the caller (the tile's tail turn).
+// on_last_s runs once the tile's last S GEMM has completed (Q is read no more).
 template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
-          class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax>
+          class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax, class OnLastS>
 CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeline_v, PipelineState& read_state,
                               PipelineState& v_state, TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV,
                               TensorO& tOrO, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,
                               Softmax& softmax, float softcap_scale, int m_block, int n_block_min, int n_block_max,
-                              PingPong<Traits> const& turn) {
+                              PingPong<Traits> const& turn, OnLastS const& on_last_s) {
   using Element = typename Traits::Element;
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -151,6 +152,7 @@ CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeli
     turn.pass_turn(false);
     warpgroup_wait<1>();  // S_j done; PV may still run
     pipeline_k.consumer_release(read_state);
+    if (n_block == n_block_min) { on_last_s(); }
     prepare_scores<Traits, kIsBand, kHasSoftcap>(tSrS, tScS, mask, softcap_scale, m_block, n_block);
     Tensor scores = rowcol(tSrS);
     softmax.template online<false>(scores);

@@ -21,8 +21,12 @@
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
 // epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
 // are all in bounds leave by TMA store (one elected thread, which releases the Q stage once the store
-// has read it), others by 16-byte stores. The serial schedule (only under FLASHTILE_HOPPER_SCHEDULE)
-// stores O with both warpgroups through registers. The LSE goes out directly.
+// has read it), others by 16-byte stores. With one Q stage (FwdTraits::kOOverV) O is staged over the
+// V stages instead: Q is released after the tile's last S GEMM, the two warpgroups meet once (kVRead:
+// neither stages O before the other's last PV GEMM has read V), and the o_free barrier (one arrival
+// per consumer warpgroup of every CTA, once its O has left) gates the producer's next V load.
+// The serial schedule (only under FLASHTILE_HOPPER_SCHEDULE) stores O with both warpgroups through
+// registers. The LSE goes out directly.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -184,7 +188,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // built for a cluster of one would send them to the cluster's first CTA.)
   auto release_q = [&](int stage) { ss.pipeline_q.empty_barrier_[stage].arrive(); };
   TileHandoff const handoff{ss.handoff};
-  if (threadIdx.x == 0) { handoff.init(Traits::kNMmaThreads); }
+  if (threadIdx.x == 0) {
+    handoff.init(Traits::kNMmaThreads);
+    // One arrival per consumer warpgroup of every CTA: a multicast V load writes all of them.
+    if constexpr (Traits::kOOverV) { ss.o_free.init(Traits::kNMmaWarpGroups * kClusterM); }
+  }
   cutlass::arch::fence_barrier_init();
   if constexpr (kClusterM > 1) {
     // The other CTAs' multicast loads and releases reach this CTA's barriers: all initialized first.
@@ -205,6 +213,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
+    // kOOverV: parity of the o_free phase the next tile's V loads wait for (the first passes at once).
+    uint32_t o_phase = 1;
     auto produce_tile = [&](TileWork const& w) {
       int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
       Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
@@ -234,6 +244,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       ++q_write_state;
+      if constexpr (Traits::kOOverV) {
+        ss.o_free.wait(o_phase);  // the previous tile's O has left the V stages
+        o_phase ^= 1;
+      }
       pipeline_v.producer_acquire(write_state);
       if (lane_predicate) {
         copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
@@ -268,6 +282,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // CTA may arrive here after this CTA has exited.
       pipeline_k.producer_tail(write_state);
       pipeline_v.producer_tail(write_state);
+      if constexpr (Traits::kOOverV) { ss.o_free.wait(o_phase); }
     }
     return;
   }
@@ -314,12 +329,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return false;
   };
 
-  // A TMA store in flight (store_leader only) still reads its Q stage, which is released once it has.
+  // kOOverV: this warpgroup's O has left the V stages (one thread), on every CTA of the cluster.
+  auto release_o = [&] {
+    if constexpr (kClusterM == 1) {
+      ss.o_free.arrive();
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kClusterM; ++r) { ss.o_free.arrive(r); }
+    }
+  };
+  // Every thread of the warpgroup has read its staged O rows: the staging buffer is released.
+  auto staged_o_read = [&](int q_stage, int barrier) {
+    if constexpr (Traits::kOOverV) {
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      if (store_leader) { release_o(); }
+    } else {
+      release_q(q_stage);
+    }
+  };
+  // A TMA store in flight (store_leader only) still reads its staging buffer (Q stage store_q_stage,
+  // or the V stages), which is released once it has.
   int store_q_stage = -1;
   auto finish_store = [&] {
     if (store_q_stage >= 0) {
       tma_store_wait<0>();
-      release_q(store_q_stage);
+      if constexpr (Traits::kOOverV) {
+        release_o();
+      } else {
+        release_q(store_q_stage);
+      }
       store_q_stage = -1;
     }
   };
@@ -339,7 +377,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
     Tensor rO = convert_fragment<Element>(tOrO);
-    Element* const stage = ss.smem_q.data() + q_state.index() * kQStageElems;
+    if constexpr (Traits::kOOverV) {
+      // The other warpgroup's last PV GEMM, the last reader of V, has completed.
+      cutlass::arch::NamedBarrier::sync(256, int(wg == 0 ? FwdNamedBarrier::kVRead2 : FwdNamedBarrier::kVRead1));
+    }
+    Element* const stage = Traits::kOOverV ? ss.smem_v.data() : ss.smem_q.data() + q_state.index() * kQStageElems;
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
     auto smem_thr_o = smem_copy_o.get_thread_slice(epi_thread);
     copy(smem_copy_o, smem_thr_o.retile_S(rO),
@@ -353,7 +395,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       store_o_rows_packed<typename Traits::SmemLayoutOWG>(
           stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb), p.o_row_stride, p.o_head_stride,
           wg * 64, q0, h0, kp.pack, rows_used, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
-      release_q(q_state.index());
+      staged_o_read(q_state.index(), barrier);
       return;
     }
     write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
@@ -371,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         copy(kp.tma_o, tOsO, tOgO);
         tma_store_arrive();
         store_q_stage = q_state.index();
-      } else {
+      } else if constexpr (!Traits::kOOverV) {
         release_q(q_state.index());
       }
       return;
@@ -380,7 +422,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_o_rows_from_smem<typename Traits::SmemLayoutOWG>(
         stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride, p.o_row_stride,
         row0, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
-    release_q(q_state.index());
+    staged_o_read(q_state.index(), barrier);
   };
 
   auto make_mask = [&](TileWork const& w) {
@@ -466,9 +508,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       consumer_k.consumer_wait(read_state);
       wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
       turn.pass_turn(false);
-      finish_store();  // the previous tile's store (two Q stages), under this GEMM: the stage frees early
+      finish_store();  // the previous tile's store (two Q stages, or O over V), under this GEMM
       warpgroup_wait<0>();
       consumer_k.consumer_release(read_state);
+      if (Traits::kOOverV && t.n_block_max - 1 == t.n_block_min) { release_q(q_read_state.index()); }  // one block
       first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
                                                         t.coord.m_block, t.n_block_max - 1);
       clear(tOrO);
@@ -482,7 +525,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         overlap_body<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, v_state,
                                                    tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
                                                    make_mask(w), softmax, params.softcap_scale, w.coord.m_block,
-                                                   w.n_block_min, w.n_block_max, turn);
+                                                   w.n_block_min, w.n_block_max, turn, [&] {
+                                                     if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
+                                                   });
         TileWork nw;
         bool const next = next_work(handoff.consumer_receive(handoff_state), nw);
         // Tail turn: the tile's last PV GEMM.
@@ -492,9 +537,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         turn.pass_turn(!next);
         warpgroup_wait<0>();
         consumer_v.consumer_release(v_state);
+        if constexpr (Traits::kOOverV) {
+          cutlass::arch::NamedBarrier::arrive(256, int(wg == 0 ? FwdNamedBarrier::kVRead1 : FwdNamedBarrier::kVRead2));
+        }
         epilogue(w.coord, softmax, tOrO, q_read_state);
         ++q_read_state;
-        if constexpr (Traits::kQStages == 1) { finish_store(); }  // the next Q goes to this stage
+        if constexpr (Traits::kQStages == 1 && !Traits::kOOverV) { finish_store(); }  // the next Q goes to this stage
         if (!next) { break; }
         w = nw;
         head(w);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -15,6 +16,11 @@
 // macro (cmake/cuda_flags.cmake); without it they would pick 64 x 16 and P could not feed the PV GEMM.
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #error "flashtile's Hopper kernels need -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+#endif
+
+// Build-time override of FwdTraits::kOOverV: 0 stages O over the Q stage everywhere; -1 = policy.
+#ifndef FLASHTILE_HOPPER_O_OVER_V
+#define FLASHTILE_HOPPER_O_OVER_V -1
 #endif
 
 namespace flashtile::hopper {
@@ -80,8 +86,16 @@ struct FwdTraits {
   // and writes only its own rows of O, and the two layouts place a row at the same bytes, so they
   // never overlap in time. A warpgroup's rows (SmemLayoutOWG, at row 64 * wg) leave through a TMA
   // store when they are all in bounds, else through 16-byte stores of its 128 threads.
+  // kOOverV (one Q stage, overlap schedule, two consumer warpgroups): O is staged over the V stages
+  // instead, once both warpgroups' last PV GEMMs have completed, and the producer loads the next
+  // tile's V only after O has left them. Q is then released after the tile's last S GEMM, so the next
+  // tile's Q loads during the tile's last softmax, PV GEMM and epilogue rather than after them.
+  // Measured at d = 256 on an H100: +3-4% at 512, +1-2% at 1k, -1 to -2% at 4k (benchmarks/NOTES.md).
+  static constexpr bool kOOverV = FLASHTILE_HOPPER_O_OVER_V != 0 && kQStages == 1 && kIntraWGOverlap &&
+                                  kNMmaWarpGroups == 2;
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   static_assert(cosize_v<SmemLayoutO> * int(sizeof(Element)) <= kSmemQStageBytes);
+  static_assert(!kOOverV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutV>);
   using SmemLayoutOWG = decltype(composition(SmemLayoutO{}, make_layout(Shape<_64, Int<kHeadDimV>>{}, Stride<_1, Int<kBlockM>>{})));
   using TileShapeOWG = Shape<_64, Int<kHeadDimV>>;
 
@@ -105,6 +119,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
     alignas(16) TileHandoff::SharedStorage handoff;
+    alignas(8) cutlass::arch::ClusterBarrier o_free;  // kOOverV: O has left the V stages
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;

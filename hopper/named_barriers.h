@@ -12,6 +12,11 @@ enum class FwdNamedBarrier : int {
   kEpilogue1 = 4,   // consumer warpgroup 1's threads (overlap schedule): its O rows are staged
   kEpilogue2 = 5,   // the same for consumer warpgroups 2 and 3
   kEpilogue3 = 6,
+  // FwdTraits::kOOverV (two consumer warpgroups): consumer warpgroup 1 (2) has completed its last PV
+  // GEMM of the tile (arrive), the other one waits before staging O over V (sync). kVRead2 takes
+  // kWarpGroup3's id, which only a three-warpgroup tile uses.
+  kVRead1 = 7,
+  kVRead2 = 3,
 };
 
 // Backward kernel (ids reused: a kernel uses one of the two sets).
