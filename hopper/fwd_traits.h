@@ -90,7 +90,8 @@ struct FwdTraits {
   // instead, once both warpgroups' last PV GEMMs have completed, and the producer loads the next
   // tile's V only after O has left them. Q is then released after the tile's last S GEMM, so the next
   // tile's Q loads during the tile's last softmax, PV GEMM and epilogue rather than after them.
-  // Measured at d = 256 on an H100: +3-4% at 512, +1-2% at 1k, -1 to -2% at 4k (benchmarks/NOTES.md).
+  // Measured on an H100 against O over Q: d = 256 +3-4% at 512, +1-2% at 1k, -1 to -2% at 4k; d = 192
+  // +4-7% at 512-1k, +2-4% causal at 2k-16k (benchmarks/NOTES.md, session 15).
   static constexpr bool kOOverV = FLASHTILE_HOPPER_O_OVER_V != 0 && kQStages == 1 && kIntraWGOverlap &&
                                   kNMmaWarpGroups == 2;
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
