@@ -15,7 +15,7 @@
 // Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
-// read out of it). In a cluster a K/V stage takes one arrival per consumer warpgroup of every CTA
+// read out of it, or under kOOverV once the tile's last S GEMM has completed). In a cluster a K/V stage takes one arrival per consumer warpgroup of every CTA
 // (ConsumerPipeline), and a producer stays until its stages are all released (producer_tail).
 // Overlap schedule: the ping-pong turns run on across tiles (a tile's tail turn, its last PV GEMM, is
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
@@ -227,7 +227,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       auto [tKgK, tKsK] = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-      // The first K block goes out before the Q stage may have to wait for an earlier tile's O.
+      // The first K block goes out before the Q stage may have to wait for an earlier tile's O (or,
+      // under kOOverV, for its last S GEMM).
       int n_block = w.n_block_max - 1;
       pipeline_k.producer_acquire(write_state);
       if (lane_predicate) {
@@ -348,7 +349,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   // A TMA store in flight (store_leader only) still reads its staging buffer (Q stage store_q_stage,
-  // or the V stages), which is released once it has.
+  // or under kOOverV the V stages: store_q_stage >= 0 then only marks the store pending), which is
+  // released once it has.
   int store_q_stage = -1;
   auto finish_store = [&] {
     if (store_q_stage >= 0) {

@@ -2,6 +2,8 @@
 // cutlass::arch::NamedBarrier). Barrier 0 (__syncthreads) is used only before the roles split.
 #pragma once
 
+#include <cutlass/arch/barrier.h>
+
 namespace flashtile::hopper {
 
 enum class FwdNamedBarrier : int {
@@ -18,6 +20,9 @@ enum class FwdNamedBarrier : int {
   kVRead1 = 7,
   kVRead2 = 3,
 };
+static_assert(int(FwdNamedBarrier::kVRead1) + int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) <
+                  int(cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers),
+              "named barrier ids past CUTLASS's reserved ones must stay below the hardware's 16");
 
 // Backward kernel (ids reused: a kernel uses one of the two sets).
 enum class BwdNamedBarrier : int {
