@@ -15,8 +15,9 @@
 // Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
-// read out of it, or under kOOverV once the tile's last S GEMM has completed). In a cluster a K/V stage takes one arrival per consumer warpgroup of every CTA
-// (ConsumerPipeline), and a producer stays until its stages are all released (producer_tail).
+// read out of it, or under kOOverV once the tile's last S GEMM has completed). In a cluster a K/V
+// stage takes one arrival per consumer warpgroup of every CTA (ConsumerPipeline), and a producer
+// stays until its stages are all released (producer_tail).
 // Overlap schedule: the ping-pong turns run on across tiles (a tile's tail turn, its last PV GEMM, is
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
 // epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor rO = convert_fragment<Element>(tOrO);
     if constexpr (Traits::kOOverV) {
       // The other warpgroup's last PV GEMM, the last reader of V, has completed.
-      cutlass::arch::NamedBarrier::sync(256, int(wg == 0 ? FwdNamedBarrier::kVRead2 : FwdNamedBarrier::kVRead1));
+      cutlass::arch::NamedBarrier::sync(256, fwd_vread_barrier(wg == 0 ? 1 : 0));
     }
     Element* const stage = Traits::kOOverV ? ss.smem_v.data() : ss.smem_q.data() + q_state.index() * kQStageElems;
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma_pv);
@@ -540,7 +541,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_wait<0>();
         consumer_v.consumer_release(v_state);
         if constexpr (Traits::kOOverV) {
-          cutlass::arch::NamedBarrier::arrive(256, int(wg == 0 ? FwdNamedBarrier::kVRead1 : FwdNamedBarrier::kVRead2));
+          cutlass::arch::NamedBarrier::arrive(256, fwd_vread_barrier(wg));
         }
         epilogue(w.coord, softmax, tOrO, q_read_state);
         ++q_read_state;

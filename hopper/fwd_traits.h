@@ -116,7 +116,8 @@ struct FwdTraits {
   using PipelineStateQ = typename PipelineQ::PipelineState;
 
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;  // O staged over each stage (kOOverV: over smem_v)
+    // O is staged over each Q stage (kOOverV: over smem_v).
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
     alignas(16) TileHandoff::SharedStorage handoff;

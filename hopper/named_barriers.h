@@ -24,6 +24,11 @@ static_assert(int(FwdNamedBarrier::kVRead1) + int(cutlass::arch::NamedBarrier::R
                   int(cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers),
               "named barrier ids past CUTLASS's reserved ones must stay below the hardware's 16");
 
+// The kVRead barrier of consumer warpgroup wg (0-based): wg arrives on it, the other one syncs.
+constexpr int fwd_vread_barrier(int wg) {
+  return int(wg == 0 ? FwdNamedBarrier::kVRead1 : FwdNamedBarrier::kVRead2);
+}
+
 // Backward kernel (ids reused: a kernel uses one of the two sets).
 enum class BwdNamedBarrier : int {
   kPdSEmpty = 0,  // all consumer threads: every warpgroup is done reading the previous P/dS
