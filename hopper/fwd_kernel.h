@@ -340,8 +340,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int r = 0; r < kClusterM; ++r) { ss.o_free.arrive(r); }
     }
   };
-  // Every thread of the warpgroup has read its staged O rows: the staging buffer is released.
+  // Every thread of the warpgroup has read its staged O rows: the staging buffer is released. The
+  // proxy fence orders this thread's generic stores to the buffer before the TMA loads that refill it.
   auto staged_o_read = [&](int q_stage, int barrier) {
+    cutlass::arch::fence_view_async_shared();
     if constexpr (Traits::kOOverV) {
       cutlass::arch::NamedBarrier::sync(128, barrier);
       if (store_leader) { release_o(); }
