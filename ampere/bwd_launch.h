@@ -19,11 +19,11 @@ LaunchStatus run_bwd_traits(BwdParams const& params, cudaStream_t stream) {
   auto kernel = bwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
   if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
-  if (LaunchStatus s = launch_bwd_preprocess<Element, Traits::kHeadDim>(params, stream); !s.ok()) { return s; }
+  if (LaunchStatus s = launch_bwd_preprocess<Element, Traits::kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
-  return launch_bwd_postprocess<Element, Traits::kHeadDim>(params, stream);
+  return launch_bwd_postprocess<Element, Traits::kHeadDim, Traits::kHeadDim>(params, stream);
 }
 
 // The large-shared-memory tile where it differs from the default and the device allows it; the small

@@ -2,10 +2,11 @@
 //
 // Preprocess, per query row: D = rowsum(dout * out) - dlse (fp32; dS = P * (dP - D) then also carries
 // the gradient of the LSE output), the LSE in the exp2 domain with +inf for rows that saw no key (so
-// P = exp2(s * scale_log2 - lse_log2) is exactly 0 there), and the row of the fp32 dq accumulator
-// cleared. Postprocess: dq = softmax_scale * dq_accum in the input dtype (the scale is applied once,
-// here, rather than to every dS tile).
-// One warp per row, 16-byte vectors along the head dim; rows past seqused_q get D = 0, lse_log2 = +inf.
+// P = exp2(s * scale_log2 - lse_log2) is exactly 0 there); the fp32 dq accumulator is cleared by a
+// memset before it. Postprocess: dq = softmax_scale * dq_accum in the input dtype (the scale is
+// applied once, here, rather than to every dS tile).
+// 16-byte vectors along the head dim, several rows per warp (PrePostLayout); rows past seqused_q get
+// D = 0, lse_log2 = +inf.
 // kPermD > 0: the accumulator is in DqAccumPerm<kPermD>'s order (the Ampere path), else row-major.
 #pragma once
 
@@ -21,70 +22,91 @@
 namespace flashtile {
 
 constexpr int kPrePostThreads = 128;
-constexpr int kPrePostRowsPerBlock = 32;
+constexpr int kPrePostRowsPerBlock = 64;
 
+// The thread layout over a block's rows: each thread owns one 16-byte vector of a row (kVec
+// elements); kThreadsPerRow (a power of two, so a row's threads are an aligned lane group and a
+// shuffle over its offsets reduces within the row) covers a bucket of kCols columns; the block's 128
+// threads take kRowsPerPass rows at once and kPasses passes cover its kPrePostRowsPerBlock rows. Every
+// pass's loads are issued before any of them is used: at d = 64 a row is 128 bytes per tensor, and
+// one row per warp at a time kept too few bytes in flight to approach DRAM bandwidth.
+template <int kCols, int kVec>
+struct PrePostLayout {
+  static constexpr int kVecsPerRow = (kCols + kVec - 1) / kVec;
+  static constexpr int kThreadsPerRow = kVecsPerRow <= 4 ? 4 : kVecsPerRow <= 8 ? 8 : kVecsPerRow <= 16 ? 16 : 32;
+  static_assert(kVecsPerRow <= 32, "one vector per thread of a warp at most");
+  static constexpr int kRowsPerPass = kPrePostThreads / kThreadsPerRow;
+  static constexpr int kPasses = kPrePostRowsPerBlock / kRowsPerPass;
+  // Loads in flight per thread: whole groups of passes (16 bytes per tensor each).
+  static constexpr int kGroup = kPasses < 4 ? kPasses : 4;
+  static_assert(kPasses % kGroup == 0);
+};
 
-// Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch).
-template <class Element, int kPermD>
+// Grid: (num_heads, ceil(seqlen_q / kPrePostRowsPerBlock), batch): heads fastest, so that blocks
+// running together read whole token rows of O and dO (all heads of a token are contiguous; a single
+// head's row is 128 bytes at d = 64). kHeadDimV: the bucket of head_dim_v.
+template <class Element, int kHeadDimV>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
-  int const bidh = blockIdx.y, bidb = blockIdx.z;
+  int const bidh = blockIdx.x, bidb = blockIdx.z;
   SeqInfo const seq(p, bidb);
-  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kVec = 16 / sizeof(Element);
   constexpr float kLog2e = 1.4426950408889634f;
+  using L = PrePostLayout<kHeadDimV, kVec>;
 
   Element const* o_ptr = static_cast<Element const*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
   Element const* do_ptr = static_cast<Element const*>(b.dout) +
                           seq.q_like_offset(p, bidb, b.do_batch_stride, b.do_row_stride) + bidh * b.do_head_stride;
-  float* acc_ptr = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
-                   bidh * b.dq_accum_head_stride;
   int64_t const lse_off = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride;
-
-  // Permuted accumulator: a row's values live anywhere in its 8-row group, over all kPermD columns, so
-  // whole groups are cleared (the accumulator's row padding covers them).
-  int const rows_alloc = seq.seqlen_q_alloc;
-  int const clear_end = kPermD > 0 ? (rows_alloc + 7) / 8 * 8 : rows_alloc;
-  int const clear_cols = kPermD > 0 ? kPermD : p.head_dim;
-  int const row_end = min(clear_end, int(blockIdx.x + 1) * kPrePostRowsPerBlock);
-  for (int row = blockIdx.x * kPrePostRowsPerBlock + warp; row < row_end; row += kPrePostThreads / 32) {
-    for (int c = lane * 4; c < clear_cols; c += 32 * 4) {
-      *reinterpret_cast<float4*>(acc_ptr + row * b.dq_accum_row_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    if (row >= rows_alloc) { continue; }  // warp-uniform
-    float dot = 0.f;
-    if (row < seq.seqlen_q) {
-      for (int c = lane * kVec; c < p.head_dim_v; c += 32 * kVec) {
-        uint4 const o4 = *reinterpret_cast<uint4 const*>(o_ptr + row * p.o_row_stride + c);
-        uint4 const d4 = *reinterpret_cast<uint4 const*>(do_ptr + row * b.do_row_stride + c);
-        Element const* o = reinterpret_cast<Element const*>(&o4);
-        Element const* d = reinterpret_cast<Element const*>(&d4);
+  int const col = (threadIdx.x % L::kThreadsPerRow) * kVec;
+  int const sub_row = threadIdx.x / L::kThreadsPerRow;
+  bool const col_in = col < p.head_dim_v;
+  // Row blocks beyond the grid's y extent (65535) are taken by a stride loop.
+  for (int row0 = blockIdx.y * kPrePostRowsPerBlock; row0 < seq.seqlen_q_alloc; row0 += gridDim.y * kPrePostRowsPerBlock) {
+    CUTE_UNROLL
+    for (int g = 0; g < L::kPasses; g += L::kGroup) {
+      uint4 o4[L::kGroup], d4[L::kGroup];
+      CUTE_UNROLL
+      for (int j = 0; j < L::kGroup; ++j) {
+        int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+        o4[j] = d4[j] = make_uint4(0, 0, 0, 0);
+        if (col_in && row < seq.seqlen_q) {
+          o4[j] = *reinterpret_cast<uint4 const*>(o_ptr + int64_t(row) * p.o_row_stride + col);
+          d4[j] = *reinterpret_cast<uint4 const*>(do_ptr + int64_t(row) * b.do_row_stride + col);
+        }
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < L::kGroup; ++j) {
+        int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+        Element const* o = reinterpret_cast<Element const*>(&o4[j]);
+        Element const* d = reinterpret_cast<Element const*>(&d4[j]);
+        float dot = 0.f;
         CUTE_UNROLL
         for (int i = 0; i < kVec; ++i) { dot += float(o[i]) * float(d[i]); }
+        CUTE_UNROLL
+        for (int offset = L::kThreadsPerRow / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
+        if (threadIdx.x % L::kThreadsPerRow == 0 && row < seq.seqlen_q_alloc) {
+          float const lse = row < seq.seqlen_q ? p.lse[lse_off + row] : -INFINITY;
+          float const dlse = b.dlse != nullptr && row < seq.seqlen_q ? b.dlse[lse_off + row] : 0.f;
+          bool const empty = lse == -INFINITY;
+          b.lse_log2[lse_off + row] = empty ? INFINITY : lse * kLog2e;
+          b.dsoftmax_sum[lse_off + row] = empty ? 0.f : dot - dlse;
+        }
       }
-    }
-    CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
-    if (lane == 0) {
-      float const lse = row < seq.seqlen_q ? p.lse[lse_off + row] : -INFINITY;
-      float const dlse = b.dlse != nullptr && row < seq.seqlen_q ? b.dlse[lse_off + row] : 0.f;
-      bool const empty = lse == -INFINITY;
-      b.lse_log2[lse_off + row] = empty ? INFINITY : lse * kLog2e;
-      b.dsoftmax_sum[lse_off + row] = empty ? 0.f : dot - dlse;
     }
   }
 }
 
-// Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch).
-template <class Element, int kPermD>
+// Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch). kHeadDim: the bucket of head_dim.
+template <class Element, int kHeadDim, int kPermD>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
   int const bidh = blockIdx.y, bidb = blockIdx.z;
   SeqInfo const seq(p, bidb);
-  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int kVec = 8;  // 8 fp32 in, 8 16-bit out (16 bytes)
+  using L = PrePostLayout<kHeadDim, kVec>;
 
   float const* acc_ptr = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
                          bidh * b.dq_accum_head_stride;
@@ -92,37 +114,70 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
                     bidh * b.dq_head_stride;
   float const scale = p.softmax_scale;
   cutlass::NumericArrayConverter<Element, float, kVec> convert;
+  int const row0 = blockIdx.x * kPrePostRowsPerBlock;
+  int const col = (threadIdx.x % L::kThreadsPerRow) * kVec;
+  int const sub_row = threadIdx.x / L::kThreadsPerRow;
+  bool const col_in = col < p.head_dim;
 
-  int const row_end = min(seq.seqlen_q_alloc, int(blockIdx.x + 1) * kPrePostRowsPerBlock);
-  for (int row = blockIdx.x * kPrePostRowsPerBlock + warp; row < row_end; row += kPrePostThreads / 32) {
-    for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
-      cutlass::Array<float, kVec> acc;
-      int src_row = row, src_col = c;
-      if constexpr (kPermD > 0) { DqAccumPerm<kPermD>::map(row, c, src_row, src_col); }
-      float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + src_row * b.dq_accum_row_stride + src_col);
-      *reinterpret_cast<float4*>(&acc[0]) = src[0];
-      *reinterpret_cast<float4*>(&acc[4]) = src[1];
-      CUTE_UNROLL
-      for (int i = 0; i < kVec; ++i) { acc[i] *= scale; }
-      *reinterpret_cast<cutlass::Array<Element, kVec>*>(dq_ptr + row * b.dq_row_stride + c) = convert(acc);
+  CUTE_UNROLL
+  for (int g = 0; g < L::kPasses; g += L::kGroup) {
+    cutlass::Array<float, kVec> acc[L::kGroup];
+    CUTE_UNROLL
+    for (int j = 0; j < L::kGroup; ++j) {
+      int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+      if (col_in && row < seq.seqlen_q_alloc) {
+        int src_row = row, src_col = col;
+        if constexpr (kPermD > 0) { DqAccumPerm<kPermD>::map(row, col, src_row, src_col); }
+        float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + int64_t(src_row) * b.dq_accum_row_stride + src_col);
+        *reinterpret_cast<float4*>(&acc[j][0]) = src[0];
+        *reinterpret_cast<float4*>(&acc[j][4]) = src[1];
+      }
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < L::kGroup; ++j) {
+      int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+      if (col_in && row < seq.seqlen_q_alloc) {
+        CUTE_UNROLL
+        for (int i = 0; i < kVec; ++i) { acc[j][i] *= scale; }
+        cutlass::Array<Element, kVec> const out = convert(acc[j]);
+        uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
+        // One 16-byte store (through a C++ store of the Array or of a uint4 it became four 4-byte ones).
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * b.dq_row_stride + col),
+                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                     : "memory");
+      }
     }
   }
 }
 
-// Host: the two launches every backward family brackets its main kernel with.
-inline dim3 bwd_prepost_grid(FtFwdParams const& p) {
+// Host: the launches every backward family brackets its main kernel with.
+inline dim3 bwd_postprocess_grid(FtFwdParams const& p) {
   return dim3((p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock, p.num_heads, p.batch);
 }
 
-template <class Element, int kPermD = 0>
+// The dq accumulator cleared whole (its extent follows from FtBwdParams' layout: padded, batch x the batch
+// stride; varlen, heads x the head stride), then the preprocess. The memset runs at copy bandwidth
+// (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured the same as clearing
+// the block's rows inside the preprocess, with simpler code (no 8-row groups of permuted rows).
+template <class Element, int kHeadDimV>
 LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_preprocess_kernel<Element, kPermD><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  FtFwdParams const& p = params.fwd.abi;
+  FtBwdParams const& b = params.abi;
+  int64_t const elems = p.cu_seqlens_q != nullptr ? int64_t(p.num_heads) * b.dq_accum_head_stride
+                                                  : int64_t(p.batch) * b.dq_accum_batch_stride;
+  if (LaunchStatus s = LaunchStatus::cuda(cudaMemsetAsync(b.dq_accum, 0, elems * sizeof(float), stream), "dq accumulator clear");
+      !s.ok()) {
+    return s;
+  }
+  int const row_blocks = (p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock;
+  dim3 const grid(p.num_heads, row_blocks < 65535 ? row_blocks : 65535, p.batch);
+  bwd_preprocess_kernel<Element, kHeadDimV><<<grid, kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch");
 }
 
-template <class Element, int kPermD = 0>
+template <class Element, int kHeadDim, int kPermD = 0>
 LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_postprocess_kernel<Element, kPermD><<<bwd_prepost_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  bwd_postprocess_kernel<Element, kHeadDim, kPermD><<<bwd_postprocess_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
 }
 

@@ -94,8 +94,8 @@ typedef struct FtFwdParams {
 //                 head's rows contiguous (row stride = the head-dim bucket, 64/96/128/192/256, that
 //                 its rows are rounded up to): padded: (batch, heads, round_up(seqlen_q,
 //                 FT_BWD_ACCUM_ROW_PAD), d); varlen: (heads, total_q + FT_BWD_ACCUM_ROW_PAD * batch, d)
-//                 with batch b's rows starting at cu_seqlens_q[b] + FT_BWD_ACCUM_ROW_PAD * b. Cleared by
-//                 the preprocess where it is read back; its element order within a head is the kernel's.
+//                 with batch b's rows starting at cu_seqlens_q[b] + FT_BWD_ACCUM_ROW_PAD * b. Cleared
+//                 whole by the backward; its element order within a head is the kernel's.
 //   dsoftmax_sum: lse's layout; written by the preprocess (rowsum(dout * out) - dlse)
 //   lse_log2:     lse's layout; written by the preprocess (lse * log2(e); +inf for rows without keys)
 //   dq_semaphore: deterministic mode only (else NULL): int32, batch * num_heads *

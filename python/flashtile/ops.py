@@ -231,7 +231,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     dout = _kernel_readable(dout)
     if dlse is not None and (dlse.stride() != lse.stride() or dlse.data_ptr() % 16 != 0):
         dlse = torch.empty_like(lse).copy_(dlse)  # dlse has no strides of its own in the ABI: lse's layout
-    # Workspaces (fp32, through torch's allocator; cleared or written by the kernels' preprocess).
+    # Workspaces (fp32, through torch's allocator; the backward clears dq_accum and writes the others).
     dq_accum = _dq_accum(q, batch, varlen_q)
     dsoftmax_sum = torch.empty_like(lse)
     lse_log2 = torch.empty_like(lse)
