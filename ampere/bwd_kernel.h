@@ -7,8 +7,9 @@
 // through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
 // the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
 // query block in deterministic mode), stored in common/dq_accum_perm.h's order so that each warp-wide
-// reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. D of each step's rows
-// is staged in shared memory with its Q/dO.
+// reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. The dQ GEMM and its
+// reductions come after dK, or between dV and dK (BwdTile::dq_first_unmasked), so that the
+// reductions drain while dK computes. D of each step's rows is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
 // Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
@@ -53,6 +54,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
+  constexpr bool kDqFirst = FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0 ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
+                                                                : Traits::kTile.dq_first_unmasked && !kIsBand;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
@@ -334,31 +337,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
     __syncthreads();  // P and dS visible
 
+    // dQ = dS K, added to the fp32 accumulator.
+    auto dq_step = [&] {
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+      int* semaphore = nullptr;
+      if (b.deterministic) {
+        int n_block_lo, n_block_hi;
+        kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+        int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
+        semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
+        wait_dq_turn(semaphore, n_block - n_block_lo);
+      }
+      // Unpredicated adds: the accumulator is padded to whole tiles, and rows past seqlen_q / columns
+      // past head_dim add exact zeros (P = 0 there; K's padding columns are zero-filled).
+      float* const gdQacc = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                            bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride;
+      red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc);
+      if (b.deterministic) { pass_dq_turn(semaphore); }
+    };
+
     gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    if constexpr (kDqFirst) { dq_step(); }
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kQStages == 1) {
       __syncthreads();  // every thread is done with this step's Q and dO
       if (step + 1 < num_steps) { load_q_do(next(), 0); }
       cp_async_fence();
     }
-
-    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_dq);
-    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-    int* semaphore = nullptr;
-    if (b.deterministic) {
-      int n_block_lo, n_block_hi;
-      kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
-      int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
-      semaphore = b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
-      wait_dq_turn(semaphore, n_block - n_block_lo);
-    }
-    // Unpredicated adds: the accumulator is padded to whole tiles, and rows past seqlen_q / columns
-    // past head_dim add exact zeros (P = 0 there; K's padding columns are zero-filled).
-    float* const gdQacc = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
-                          bidh * b.dq_accum_head_stride + m_block * kBlockM * b.dq_accum_row_stride;
-    red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc);
-    if (b.deterministic) { pass_dq_turn(semaphore); }
+    if constexpr (!kDqFirst) { dq_step(); }
     st.advance(m_block_min, m_block_max);
   }
 
