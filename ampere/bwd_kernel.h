@@ -229,7 +229,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   Tensor tScS_rc = rowcol(tScS);
-  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kRowsPerBlock = decltype(size<0, 0>(tScS_rc))::value;  // rows per MMA_M row block
 
   // Prologue: K, V and the first Q/dO tile.

@@ -23,7 +23,7 @@ LaunchStatus run_bwd_traits(BwdParams const& params, cudaStream_t stream) {
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
-  return launch_bwd_postprocess<Element, Traits::kHeadDim, Traits::kHeadDim>(params, stream);
+  return launch_bwd_postprocess<Element, Traits::kHeadDim, true>(params, stream);
 }
 
 // The large-shared-memory tile where it differs from the default and the device allows it; the small

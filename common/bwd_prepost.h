@@ -7,7 +7,8 @@
 // applied once, here, rather than to every dS tile).
 // 16-byte vectors along the head dim, several rows per warp (PrePostLayout); rows past seqused_q get
 // D = 0, lse_log2 = +inf.
-// kPermD > 0: the accumulator is in DqAccumPerm<kPermD>'s order (the Ampere path), else row-major.
+// kPermuted: the accumulator is in DqAccumPerm<kHeadDim>'s order (the Ampere path, the Hopper path
+// under dq_red), else row-major.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
 }
 
 // Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch). kHeadDim: the bucket of head_dim.
-template <class Element, int kHeadDim, int kPermD>
+template <class Element, int kHeadDim, bool kPermuted>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
       int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
       if (col_in && row < seq.seqlen_q_alloc) {
         int src_row = row, src_col = col;
-        if constexpr (kPermD > 0) { DqAccumPerm<kPermD>::map(row, col, src_row, src_col); }
+        if constexpr (kPermuted) { DqAccumPerm<kHeadDim>::map(row, col, src_row, src_col); }
         float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + int64_t(src_row) * b.dq_accum_row_stride + src_col);
         *reinterpret_cast<float4*>(&acc[j][0]) = src[0];
         *reinterpret_cast<float4*>(&acc[j][4]) = src[1];
@@ -175,9 +176,9 @@ LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream)
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch");
 }
 
-template <class Element, int kHeadDim, int kPermD = 0>
+template <class Element, int kHeadDim, bool kPermuted>
 LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_postprocess_kernel<Element, kHeadDim, kPermD><<<bwd_postprocess_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+  bwd_postprocess_kernel<Element, kHeadDim, kPermuted><<<bwd_postprocess_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
 }
 

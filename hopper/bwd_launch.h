@@ -56,13 +56,12 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
                               Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{});
   }
 
-  // The accumulator's order: DqAccumPerm when the kernel adds into it from registers, else row-major.
-  constexpr int kPermD = Traits::kdQRed ? kHeadDim : 0;
   if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "hopper bwd_kernel launch"); !s.ok()) { return s; }
-  return launch_bwd_postprocess<Element, kHeadDim, kPermD>(params, stream);
+  // The accumulator is in DqAccumPerm order when the kernel adds into it from registers, else row-major.
+  return launch_bwd_postprocess<Element, kHeadDim, Traits::kdQRed>(params, stream);
 }
 
 }  // namespace flashtile::hopper
