@@ -124,6 +124,10 @@ struct HopperFwdTile {
   // one (head, batch) and each loads 1 / cluster_m of every K/V block, multicast by TMA to all of
   // them (non-band masks on fixed-length batches; other problems run the cluster-less kernel).
   int cluster_m;
+  // Q stages where shared memory fits them (fewer where it does not): with O staged over its tile's Q
+  // stage, the producer loads a tile's Q only once the store of the tile that many tiles back has read
+  // its stage out, which bounds how far its loads run ahead of the consumers on short tiles.
+  int q_stages = 2;
 };
 
 // Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
@@ -139,6 +143,13 @@ struct HopperFwdTile {
 #ifndef FLASHTILE_HOPPER_CLUSTER
 #define FLASHTILE_HOPPER_CLUSTER -1
 #endif
+// Build-time overrides of HopperFwdTile::q_stages and (below the tall tile) stages; -1 = policy.
+#ifndef FLASHTILE_HOPPER_Q_STAGES
+#define FLASHTILE_HOPPER_Q_STAGES -1
+#endif
+#ifndef FLASHTILE_HOPPER_KV_STAGES
+#define FLASHTILE_HOPPER_KV_STAGES -1
+#endif
 // Build-time override of the Hopper forward's tall tile (hopper_fwd_tall): 0 never, 1 wherever there
 // is one (d <= 128); -1 = policy.
 #ifndef FLASHTILE_HOPPER_FWD_TALL
@@ -149,7 +160,7 @@ struct HopperFwdTile {
 // see hopper_fwd_tall); elsewhere the same tile as tall = false.
 constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall = false) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  // d <= 64: four K/V stages (160 KB with two Q stages) give the short blocks more loads in flight.
+  // d <= 64: four K/V stages (176 KB with three Q stages) give the short blocks more loads in flight.
   // d = 256: block_n 80 with the overlapped schedule (S, P and O: 40 + 20 + 128 registers of the 240)
   // measured 1.06-1.24x the serial schedule with block_n 64 on an H100 at 1k-16k (causal 512: 0.95x);
   // 80 needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (the 64 x 80 WGMMA atoms). d = 192: the overlapped
@@ -173,11 +184,18 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   }
   if (FLASHTILE_EXP_FMA_PER16 >= 0) { t.exp_fma_per16 = FLASHTILE_EXP_FMA_PER16; }
   if (FLASHTILE_HOPPER_CLUSTER > 0) { t.cluster_m = FLASHTILE_HOPPER_CLUSTER; }
+  // d <= 64: three Q stages (176 KB) measured +4% at causal 512 and neutral elsewhere on an H100 (four:
+  // +5%, five K/V stages with three Q: +4%); at d = 128 (224 KB) neutral at 512-2k (benchmarks/NOTES.md,
+  // session 17).
+  if (d <= 64) { t.q_stages = 3; }
+  if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
+  if (FLASHTILE_HOPPER_KV_STAGES > 0) { t.stages = FLASHTILE_HOPPER_KV_STAGES; }
   // Tall: three consumer warpgroups of 64 rows, 160 registers each (24 + 3 * 160 <= 512 per thread
   // slot). d <= 64: S, P and O take 64 + 32 + 32 of them (176 KB of shared memory with four K/V
   // stages); d <= 128 with block_n 80: 40 + 20 + 64 (block_n 96 spilled), three K/V stages (216 KB;
   // +0-4% over two, mostly causal).
   if (tall && d <= 128) {
+    t.q_stages = FLASHTILE_HOPPER_Q_STAGES > 0 ? FLASHTILE_HOPPER_Q_STAGES : 2;
     t.block_m = 192;
     t.block_n = d <= 64 ? 128 : 80;
     t.stages = d <= 64 ? 4 : 3;

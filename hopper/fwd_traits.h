@@ -68,11 +68,15 @@ struct FwdTraits {
       AtomLayoutMma{}));
 
   // Q is double-buffered where shared memory allows (d <= 128; d = 192 with d_v = 128): the next
-  // tile's Q loads while the current tile runs, so a tile never starts by waiting for its Q.
+  // tile's Q loads while the current tile runs, so a tile never starts by waiting for its Q. The
+  // policy's q_stages (three at d <= 64) is the most taken.
   static constexpr int kSmemQStageBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemKVBytes = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
   static constexpr int kSmemLimitBytes = 227 * 1024;  // sm_90 opt-in maximum per block
-  static constexpr int kQStages = 2 * kSmemQStageBytes + kSmemKVBytes + 1024 <= kSmemLimitBytes ? 2 : 1;
+  static constexpr int q_stages_that_fit(int n) {
+    return n <= 1 || n * kSmemQStageBytes + kSmemKVBytes + 1024 <= kSmemLimitBytes ? (n < 1 ? 1 : n) : q_stages_that_fit(n - 1);
+  }
+  static constexpr int kQStages = q_stages_that_fit(kTile.q_stages);
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
