@@ -143,12 +143,15 @@ struct HopperFwdTile {
 #ifndef FLASHTILE_HOPPER_CLUSTER
 #define FLASHTILE_HOPPER_CLUSTER -1
 #endif
-// Build-time overrides of HopperFwdTile::q_stages and (below the tall tile) stages; -1 = policy.
+// Build-time overrides of HopperFwdTile::q_stages and (the 128-row tile) stages and block_n; -1 = policy.
 #ifndef FLASHTILE_HOPPER_Q_STAGES
 #define FLASHTILE_HOPPER_Q_STAGES -1
 #endif
 #ifndef FLASHTILE_HOPPER_KV_STAGES
 #define FLASHTILE_HOPPER_KV_STAGES -1
+#endif
+#ifndef FLASHTILE_HOPPER_BLOCK_N
+#define FLASHTILE_HOPPER_BLOCK_N -1
 #endif
 // Build-time override of the Hopper forward's tall tile (hopper_fwd_tall): 0 never, 1 wherever there
 // is one (d <= 128); -1 = policy.
@@ -190,6 +193,7 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   if (d <= 64) { t.q_stages = 3; }
   if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
   if (FLASHTILE_HOPPER_KV_STAGES > 0) { t.stages = FLASHTILE_HOPPER_KV_STAGES; }
+  if (FLASHTILE_HOPPER_BLOCK_N > 0) { t.block_n = FLASHTILE_HOPPER_BLOCK_N; }
   // Tall: three consumer warpgroups of 64 rows, 160 registers each (24 + 3 * 160 <= 512 per thread
   // slot). d <= 64: S, P and O take 64 + 32 + 32 of them (176 KB of shared memory with four K/V
   // stages); d <= 128 with block_n 80: 40 + 20 + 64 (block_n 96 spilled), three K/V stages (216 KB;
