@@ -143,7 +143,8 @@ struct HopperFwdTile {
 #ifndef FLASHTILE_HOPPER_CLUSTER
 #define FLASHTILE_HOPPER_CLUSTER -1
 #endif
-// Build-time overrides of HopperFwdTile::q_stages and (the 128-row tile) stages and block_n; -1 = policy.
+// Build-time overrides of HopperFwdTile::q_stages (both tiles) and of the 128-row tile's stages and
+// block_n; -1 = policy.
 #ifndef FLASHTILE_HOPPER_Q_STAGES
 #define FLASHTILE_HOPPER_Q_STAGES -1
 #endif
@@ -190,21 +191,21 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   // d <= 64: three Q stages (176 KB) measured +4% at causal 512 and neutral elsewhere on an H100 (four:
   // +5%, five K/V stages with three Q: +4%); at d = 128 (224 KB) neutral at 512-2k (benchmarks/NOTES.md,
   // session 17).
-  if (d <= 64) { t.q_stages = 3; }
-  if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
+  bool const is_tall = tall && d <= 128;
+  if (d <= 64 && !is_tall) { t.q_stages = 3; }
   if (FLASHTILE_HOPPER_KV_STAGES > 0) { t.stages = FLASHTILE_HOPPER_KV_STAGES; }
   if (FLASHTILE_HOPPER_BLOCK_N > 0) { t.block_n = FLASHTILE_HOPPER_BLOCK_N; }
   // Tall: three consumer warpgroups of 64 rows, 160 registers each (24 + 3 * 160 <= 512 per thread
   // slot). d <= 64: S, P and O take 64 + 32 + 32 of them (176 KB of shared memory with four K/V
   // stages); d <= 128 with block_n 80: 40 + 20 + 64 (block_n 96 spilled), three K/V stages (216 KB;
   // +0-4% over two, mostly causal).
-  if (tall && d <= 128) {
-    t.q_stages = FLASHTILE_HOPPER_Q_STAGES > 0 ? FLASHTILE_HOPPER_Q_STAGES : 2;
+  if (is_tall) {
     t.block_m = 192;
     t.block_n = d <= 64 ? 128 : 80;
     t.stages = d <= 64 ? 4 : 3;
     t.consumer_regs = 160;
   }
+  if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
   return t;
 }
 

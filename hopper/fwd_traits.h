@@ -74,7 +74,7 @@ struct FwdTraits {
   static constexpr int kSmemKVBytes = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
   static constexpr int kSmemLimitBytes = 227 * 1024;  // sm_90 opt-in maximum per block
   static constexpr int q_stages_that_fit(int n) {
-    return n <= 1 || n * kSmemQStageBytes + kSmemKVBytes + 1024 <= kSmemLimitBytes ? (n < 1 ? 1 : n) : q_stages_that_fit(n - 1);
+    return n > 1 && n * kSmemQStageBytes + kSmemKVBytes + 1024 > kSmemLimitBytes ? q_stages_that_fit(n - 1) : (n > 1 ? n : 1);
   }
   static constexpr int kQStages = q_stages_that_fit(kTile.q_stages);
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{},
