@@ -24,6 +24,7 @@
 
 #include "ampere/bwd_traits.h"
 #include "ampere/mma_utils.h"
+#include "common/block_order.h"
 #include "common/bwd_params.h"
 #include "common/epilogue.h"
 #include "common/fragment.h"
@@ -59,9 +60,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
-  int const n_block = blockIdx.x;
-  int const bidh_k = blockIdx.y;
-  int const bidb = blockIdx.z;
+  // Band masks outside deterministic mode run longest first (common/block_order.h).
+  BlockCoord const cta = band_block_coord(params.pairs_per_section);
+  int const n_block = cta.block;
+  int const bidh_k = cta.bidh;
+  int const bidb = cta.bidb;
   SeqInfo const seq(p, bidb);
   if (n_block * kBlockN >= seq.seqlen_k) { return; }
   int m_block_min, m_block_max;

@@ -10,6 +10,9 @@ namespace flashtile {
 struct BwdParams {
   FwdParams fwd;     // geometry, mask and scales of the forward call (fwd.abi == abi.fwd)
   FtBwdParams abi;
+  // Band masks outside deterministic mode: (head, batch) pairs per longest-first section of the grid
+  // (common/block_order.h), set by the launcher; 0 = the plain order.
+  int pairs_per_section;
 };
 
 inline BwdParams make_bwd_params(FtBwdParams const& abi) {

@@ -1,8 +1,9 @@
 // Hopper backward kernel (sm_90a): warp-specialized TMA producer, dQ writer and WGMMA consumers.
 //
-// One CTA owns block_n keys of one KV head (grid: KV blocks x KV heads x batch; low KV blocks, the
-// longest under a causal mask, start first, except in deterministic mode) and walks every query block of every query head of that
-// head's group that sees those keys, so GQA/MQA dK/dV are register sums.
+// One CTA owns block_n keys of one KV head (grid: KV blocks x KV heads x batch; under band masks the
+// longest CTAs start first, see common/block_order.h, except in deterministic mode) and walks every
+// query block of every query head of that head's group that sees those keys, so GQA/MQA dK/dV are
+// register sums.
 // Roles:
 //   warpgroup 0, warp 0  producer: K and V once (one transaction barrier), then Q and dO of each step
 //                        through two PipelineTmaAsync pipelines (kQStages / kdOStages deep).
@@ -38,6 +39,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "common/block_order.h"
 #include "common/bwd_params.h"
 #include "common/dq_accum_perm.h"
 #include "common/epilogue.h"
@@ -105,9 +107,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // grid runs high KV blocks first: under a causal mask KV block n starts at its diagonal, so block
   // n - 1 reaches a query block after n has, and no CTA waits in steady state (ascending order would
   // make block n wait for the walk of all lower blocks). A CTA only ever waits for CTAs launched
-  // before it, which cannot deadlock.
-  int const n_block = b.deterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  int const bidh_k = blockIdx.y, bidb = blockIdx.z;
+  // before it, which cannot deadlock. Band masks otherwise run longest first (common/block_order.h).
+  BlockCoord const cta = band_block_coord(params.pairs_per_section);
+  int const n_block = b.deterministic ? int(gridDim.x) - 1 - cta.block : cta.block;
+  int const bidh_k = cta.bidh, bidb = cta.bidb;
   SeqInfo const seq(p, bidb);
   if (n_block * kBlockN >= seq.seqlen_k) { return; }  // uniform over the CTA, before any barrier
   int m_block_min, m_block_max;

@@ -14,6 +14,7 @@ Covered: every built dtype and head dim, MHA/GQA/MQA, causal, local windows, sof
 sequence lengths (one 4224^2 case per mask), batch 1..9, fully masked rows (their dq is exactly 0),
 varlen with empty sequences and rows outside every sequence (checked per sequence against the padded
 reference), head dims inside a bucket, seqused_q/k and KV caches, strided and qkv-packed inputs, the LSE's own gradient (dlse),
+the band masks' longest-first launch order over (head, batch) sections,
 empty problems, each kernel family forced (path="ampere" / "hopper"), a missing backward, deterministic
 mode (bitwise identical repeats), CUDA-graph capture, a finite-difference check against float64, and a
 short training run tracking PyTorch SDPA.
@@ -199,6 +200,20 @@ def test_bwd_batch9(dtype, hdim, causal, seed):
     require_built(dtype, d, dv, band=causal)
     q, k, v = random_qkv(9, 65, 129, 2, 2, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
     check_padded(q, k, v, seed=seed, causal=causal)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (700, 300))], ids=["causal", "w700_300"])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_bwd_band_sections(dtype, hdim, causal, window, seed):
+    """Band masks at >= 2048 keys launch the KV-block CTAs longest first over sections of (head, batch)
+    pairs (common/block_order.h): 5 pairs make sections of 4 + 1 or 2 + 2 + 1 (d 64 / 128), and the
+    2100 keys a ragged last KV block. A KV block that no CTA takes leaves its dK / dV poisoned."""
+    d, dv = hdim
+    require_built(dtype, d, dv, band=True)
+    q, k, v = random_qkv(5, 2100, 2100, 2, 1, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    check_padded(q, k, v, seed=seed, causal=causal, window_size=window)
 
 
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((64, -1), True)]
