@@ -18,6 +18,7 @@
 
 #include "ampere/fwd_traits.h"
 #include "ampere/mma_utils.h"
+#include "common/block_order.h"
 #include "common/empty_tile.h"
 #include "common/epilogue.h"
 #include "common/fragment.h"
@@ -39,10 +40,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   constexpr int kHeadDimV = Traits::kHeadDimV;
   FtFwdParams const& p = params.abi;
 
-  // Longest-first order under a band mask: later query blocks see more keys.
-  int const m_block = kIsBand ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  int const bidh = blockIdx.y;
-  int const bidb = blockIdx.z;
+  // Longest-first order under a band mask (later query blocks see more keys), across (head, batch)
+  // pairs where pairs_per_section > 0 (common/block_order.h).
+  BlockCoord const cta = band_block_coord(params.pairs_per_section);
+  int const m_block = kIsBand ? int(gridDim.x) - 1 - cta.block : cta.block;
+  int const bidh = cta.bidh;
+  int const bidb = cta.bidb;
   SeqInfo const seq(p, bidb);
   if (m_block * kBlockM >= seq.seqlen_q_alloc) { return; }
 

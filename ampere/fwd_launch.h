@@ -6,17 +6,21 @@
 #include <cuda_runtime.h>
 
 #include "ampere/fwd_kernel.h"
+#include "common/block_order.h"
 #include "common/launch_status.h"
 
 namespace flashtile::ampere {
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
-LaunchStatus run_fwd_traits(FwdParams const& params, cudaStream_t stream) {
+LaunchStatus run_fwd_traits(FwdParams const& params_in, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  FwdParams params = params_in;
   auto kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap>;
   constexpr int kSmem = Traits::kSmemBytes;
   if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), params.abi.device, kSmem); !s.ok()) { return s; }
   int const num_m_blocks = (params.abi.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   dim3 const grid(num_m_blocks, params.abi.num_heads, params.abi.batch);
+  params.pairs_per_section = fwd_pairs_per_section<Element, Traits::kHeadDim, Traits::kHeadDimV>(params, kIsBand, grid);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "fwd_kernel launch");
 }

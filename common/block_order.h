@@ -1,18 +1,23 @@
-// Launch order of the backward's KV-block CTAs (grid: KV blocks x KV heads x batch).
+// Launch order of the non-persistent grids whose CTAs differ in length under a band mask: the
+// backward's KV blocks (grid: KV blocks x KV heads x batch) and the Ampere-path forward's query blocks
+// (grid: query blocks x heads x batch).
 //
-// Under a band mask the CTAs differ in length (causal: KV block n walks the query blocks from its
-// diagonal on, so block 0 is the longest). The hardware dispatches a grid in linear block order, x
-// fastest; walking each (head, batch) pair's blocks in turn starts the last pairs' long blocks about
-// one pair's work before the end, and SMs idle while they finish. Band masks therefore take the CTAs
-// longest first across a section of (head, batch) pairs: all of the section's block-0 CTAs, then
-// block 1, and so on. A section holds as many pairs as keep their Q, dO and dq accumulator within a
-// 16 MB share of L2 (the CTAs of one pair all read the pair's Q / dO), rounded down to a power of two
-// so that sections tile the usual power-of-two head * batch counts exactly. H100, causal, against the
-// plain order: Hopper +1.5-4% at 4k-8k (d 64 / 128; d 256 with 32 MB shares: +2%), within +-1% at
-// 1k-2k, -3% at 512 (short CTAs); Ampere path +2-6% at 2k-8k. Sequences of fewer than kMinKeys keys
-// keep the plain order. 32 MB shares measured the same at 4k-8k and 1-3% slower at 1k; 8 MB lost the
-// 8k gain.
-// Deterministic mode keeps the plain order: its dQ turns assume CTAs launched in KV-block order.
+// Under a causal mask backward KV block n walks the query blocks from its diagonal on (block 0 is the
+// longest) and forward query block m the KV blocks up to its diagonal (the last is the longest). The
+// hardware dispatches a grid in linear block order, x fastest; walking each (head, batch) pair's
+// blocks in turn starts the last pairs' long blocks about one pair's work before the end, and SMs idle
+// while they finish. Band masks therefore take the CTAs longest first across a section of (head,
+// batch) pairs: all of the section's longest CTAs, then the next, and so on. A section holds as many
+// pairs as keep the data their CTAs share (backward: Q, dO and the dq accumulator; forward: K and V)
+// within a 16 MB share of L2, rounded down to a power of two so that sections tile the usual
+// power-of-two head * batch counts exactly.
+// Backward, H100, causal, against the plain order: Hopper +1.5-4% at 4k-8k (d 64 / 128; d 256 with
+// 32 MB shares: +2%), within +-1% at 1k-2k, -3% at 512 (short CTAs); Ampere path +2-6% at 2k-8k.
+// Sequences of fewer than 2k keys keep the plain order. 32 MB shares measured the same at 4k-8k and
+// 1-3% slower at 1k; 8 MB lost the 8k gain. Deterministic mode keeps the plain order: its dQ turns
+// assume CTAs launched in KV-block order.
+// Ampere-path forward, H100, causal, against the plain (per-pair last-first) order: +4-8% at 1k-8k
+// (d 64 / 128 / 256) and 16k (d 64 / 128); sequences of fewer than 1k queries keep the plain order.
 #pragma once
 
 #include <algorithm>
@@ -21,20 +26,32 @@
 #include <cute/config.hpp>
 
 #include "common/bwd_params.h"
+#include "common/fwd_params.h"
 
 namespace flashtile {
 
-// Build-time override of the section's L2 share in MB (measurement); -1 = policy.
+// Build-time overrides of the sections' L2 share in MB (measurement; 0 = the plain order); -1 = policy.
 #ifndef FLASHTILE_BWD_SECTION_MB
 #define FLASHTILE_BWD_SECTION_MB -1
+#endif
+#ifndef FLASHTILE_FWD_SECTION_MB
+#define FLASHTILE_FWD_SECTION_MB -1
 #endif
 
 struct BlockCoord {
   int block, bidh, bidb;
 };
 
-// (head, batch) pairs per section of the backward grid `grid`; 0 = the plain order (x = block, y =
-// head, z = batch). The pair's query-side bytes: its query heads' Q, dO and fp32 dq accumulator rows.
+// The largest power of two of (head, batch) pairs, at most num_pairs, whose bytes fit share_mb.
+inline int pairs_in_share(int64_t bytes_per_pair, int num_pairs, int share_mb) {
+  int64_t const fit = (int64_t(share_mb) << 20) / std::max<int64_t>(bytes_per_pair, 1);
+  int pairs = 1;
+  while (int64_t(pairs) * 2 <= fit && pairs * 2 <= num_pairs) { pairs *= 2; }
+  return pairs;
+}
+
+// Pairs per section of the backward grid `grid`; 0 = the plain order (x = block, y = head, z =
+// batch). A pair's shared bytes: its query heads' Q, dO and fp32 dq accumulator rows.
 template <class Element, int kHeadDim, int kHeadDimV>
 int bwd_pairs_per_section(BwdParams const& params, bool is_band, dim3 grid) {
   constexpr int kMinKeys = 2048;
@@ -42,16 +59,24 @@ int bwd_pairs_per_section(BwdParams const& params, bool is_band, dim3 grid) {
   if (!is_band || params.abi.deterministic || p.seqlen_k < kMinKeys) { return 0; }
   int64_t const rows = int64_t(p.seqlen_q) * params.fwd.h_h_k_ratio;
   int64_t const bytes = rows * ((kHeadDim + kHeadDimV) * int64_t(sizeof(Element)) + kHeadDim * int64_t(sizeof(float)));
-  int64_t const share = int64_t(FLASHTILE_BWD_SECTION_MB >= 0 ? FLASHTILE_BWD_SECTION_MB : 16) << 20;
-  int64_t const fit = share / std::max<int64_t>(bytes, 1);
-  int const num_pairs = int(grid.y * grid.z);
-  int pairs = 1;
-  while (int64_t(pairs) * 2 <= fit && pairs * 2 <= num_pairs) { pairs *= 2; }
-  return pairs;
+  return pairs_in_share(bytes, int(grid.y * grid.z), FLASHTILE_BWD_SECTION_MB >= 0 ? FLASHTILE_BWD_SECTION_MB : 16);
 }
 
-// The coordinates of this CTA. pairs_per_section > 0: the section order above; the last section
-// may hold fewer pairs.
+// Pairs per section of the Ampere-path forward grid `grid` (pairs of query heads: the query heads of
+// one KV head share its K / V); 0 = the plain order.
+template <class Element, int kHeadDim, int kHeadDimV>
+int fwd_pairs_per_section(FwdParams const& params, bool is_band, dim3 grid) {
+  constexpr int kMinQueries = 1024;
+  FtFwdParams const& p = params.abi;
+  int const share_mb = FLASHTILE_FWD_SECTION_MB >= 0 ? FLASHTILE_FWD_SECTION_MB : 16;
+  if (!is_band || p.seqlen_q < kMinQueries || share_mb == 0) { return 0; }
+  int64_t const bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element)) / params.h_h_k_ratio;
+  return pairs_in_share(bytes, int(grid.y * grid.z), share_mb);
+}
+
+// The coordinates of this CTA; block is its rank in launch order (0 first: the caller maps it to the
+// longest block). pairs_per_section > 0: the section order above; the last section may hold fewer
+// pairs.
 CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
   if (pairs_per_section <= 0) { return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}; }
   int const num_blocks = gridDim.x, num_heads = gridDim.y, num_pairs = gridDim.y * gridDim.z;

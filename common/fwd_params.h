@@ -16,6 +16,9 @@ struct FwdParams {
   float scale_ln;        // converts the running max back to natural-log units for the LSE
   float softcap_scale;   // softmax_scale / softcap (softcap on only)
   bool is_band;          // causal or sliding window
+  // Ampere-path forward under band masks: (head, batch) pairs per longest-first section of the grid
+  // (common/block_order.h), set by its launcher; 0 = the plain order.
+  int pairs_per_section;
 };
 
 // Fills the derived fields; the caller has validated `abi`.
