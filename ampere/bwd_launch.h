@@ -23,7 +23,7 @@ LaunchStatus run_bwd_traits(BwdParams const& params_in, cudaStream_t stream) {
   if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
   if (LaunchStatus s = launch_bwd_preprocess<Element, Traits::kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
-  params.pairs_per_section = bwd_pairs_per_section<Element, Traits::kHeadDim, Traits::kHeadDimV>(params, kIsBand, grid);
+  params.pairs_per_section = bwd_pairs_per_section<Element, Traits::kHeadDim, Traits::kHeadDimV>(params, kIsBand, grid, 512);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "bwd_kernel launch"); !s.ok()) { return s; }
   return launch_bwd_postprocess<Element, Traits::kHeadDim, true>(params, stream);

@@ -12,12 +12,12 @@
 // within a 16 MB share of L2, rounded down to a power of two so that sections tile the usual
 // power-of-two head * batch counts exactly.
 // Backward, H100, causal, against the plain order: Hopper +1.5-4% at 4k-8k (d 64 / 128; d 256 with
-// 32 MB shares: +2%), within +-1% at 1k-2k, -3% at 512 (short CTAs); Ampere path +2-6% at 2k-8k.
-// Sequences of fewer than 2k keys keep the plain order. 32 MB shares measured the same at 4k-8k and
-// 1-3% slower at 1k; 8 MB lost the 8k gain. Deterministic mode keeps the plain order: its dQ turns
-// assume CTAs launched in KV-block order.
-// Ampere-path forward, H100, causal, against the plain (per-pair last-first) order: +4-8% at 1k-8k
-// (d 64 / 128 / 256) and 16k (d 64 / 128); sequences of fewer than 1k queries keep the plain order.
+// 32 MB shares: +2%), within +-1% at 1k-2k, -3% at 512 (short CTAs), so its launcher passes a 2k-key
+// floor; Ampere path +2-6% at 2k-8k, +2-3% at 1k, +0-2% at 512 (its CTAs walk longer per step), floor
+// 512. 32 MB shares measured the same at 4k-8k and 1-3% slower at 1k; 8 MB lost the 8k gain.
+// Deterministic mode keeps the plain order: its dQ turns assume CTAs launched in KV-block order.
+// Ampere-path forward, H100, causal, against the plain (per-pair last-first) order: +4-10% at 512-8k
+// (d 64 / 128 / 256) and 16k (d 64 / 128); sequences of fewer than 512 queries keep the plain order.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +37,13 @@ namespace flashtile {
 #ifndef FLASHTILE_FWD_SECTION_MB
 #define FLASHTILE_FWD_SECTION_MB -1
 #endif
+// Build-time overrides of the shortest sequence that takes sections (measurement); -1 = policy.
+#ifndef FLASHTILE_BWD_SECTION_MIN_KEYS
+#define FLASHTILE_BWD_SECTION_MIN_KEYS -1
+#endif
+#ifndef FLASHTILE_FWD_SECTION_MIN_QUERIES
+#define FLASHTILE_FWD_SECTION_MIN_QUERIES -1
+#endif
 
 struct BlockCoord {
   int block, bidh, bidb;
@@ -51,12 +58,13 @@ inline int pairs_in_share(int64_t bytes_per_pair, int num_pairs, int share_mb) {
 }
 
 // Pairs per section of the backward grid `grid`; 0 = the plain order (x = block, y = head, z =
-// batch). A pair's shared bytes: its query heads' Q, dO and fp32 dq accumulator rows.
+// batch). A pair's shared bytes: its query heads' Q, dO and fp32 dq accumulator rows. Sequences of
+// fewer than min_keys keys keep the plain order.
 template <class Element, int kHeadDim, int kHeadDimV>
-int bwd_pairs_per_section(BwdParams const& params, bool is_band, dim3 grid) {
-  constexpr int kMinKeys = 2048;
+int bwd_pairs_per_section(BwdParams const& params, bool is_band, dim3 grid, int min_keys) {
   FtFwdParams const& p = params.fwd.abi;
-  if (!is_band || params.abi.deterministic || p.seqlen_k < kMinKeys) { return 0; }
+  if (FLASHTILE_BWD_SECTION_MIN_KEYS >= 0) { min_keys = FLASHTILE_BWD_SECTION_MIN_KEYS; }
+  if (!is_band || params.abi.deterministic || p.seqlen_k < min_keys) { return 0; }
   int64_t const rows = int64_t(p.seqlen_q) * params.fwd.h_h_k_ratio;
   int64_t const bytes = rows * ((kHeadDim + kHeadDimV) * int64_t(sizeof(Element)) + kHeadDim * int64_t(sizeof(float)));
   return pairs_in_share(bytes, int(grid.y * grid.z), FLASHTILE_BWD_SECTION_MB >= 0 ? FLASHTILE_BWD_SECTION_MB : 16);
@@ -66,7 +74,7 @@ int bwd_pairs_per_section(BwdParams const& params, bool is_band, dim3 grid) {
 // one KV head share its K / V); 0 = the plain order.
 template <class Element, int kHeadDim, int kHeadDimV>
 int fwd_pairs_per_section(FwdParams const& params, bool is_band, dim3 grid) {
-  constexpr int kMinQueries = 1024;
+  constexpr int kMinQueries = FLASHTILE_FWD_SECTION_MIN_QUERIES >= 0 ? FLASHTILE_FWD_SECTION_MIN_QUERIES : 512;
   FtFwdParams const& p = params.abi;
   int const share_mb = FLASHTILE_FWD_SECTION_MB >= 0 ? FLASHTILE_FWD_SECTION_MB : 16;
   if (!is_band || p.seqlen_q < kMinQueries || share_mb == 0) { return 0; }

@@ -59,7 +59,7 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
 
   if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
-  kp.bwd.pairs_per_section = bwd_pairs_per_section<Element, kHeadDim, kHeadDimV>(params, kIsBand, grid);
+  kp.bwd.pairs_per_section = bwd_pairs_per_section<Element, kHeadDim, kHeadDimV>(params, kIsBand, grid, 2048);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
   if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "hopper bwd_kernel launch"); !s.ok()) { return s; }
   // The accumulator is in DqAccumPerm order when the kernel adds into it from registers, else row-major.

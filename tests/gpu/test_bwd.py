@@ -207,9 +207,10 @@ def test_bwd_batch9(dtype, hdim, causal, seed):
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_bwd_band_sections(dtype, hdim, causal, window, seed):
-    """Band masks at >= 2048 keys launch the KV-block CTAs longest first over sections of (head, batch)
-    pairs (common/block_order.h): 5 pairs make sections of 4 + 1 or 2 + 2 + 1 (d 64 / 128), and the
-    2100 keys a ragged last KV block. A KV block that no CTA takes leaves its dK / dV poisoned."""
+    """Band masks at >= 2048 keys (Ampere path: 512) launch the KV-block CTAs longest first over
+    sections of (head, batch) pairs (common/block_order.h): 5 pairs make sections of 4 + 1 or
+    2 + 2 + 1 (d 64 / 128), and the 2100 keys a ragged last KV block. A KV block that no CTA takes
+    leaves its dK / dV poisoned."""
     d, dv = hdim
     require_built(dtype, d, dv, band=True)
     q, k, v = random_qkv(5, 2100, 2100, 2, 1, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
