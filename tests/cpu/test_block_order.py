@@ -1,0 +1,140 @@
+"""The band-mask launch order of common/block_order.h, compiled for the host and run on the CPU.
+
+The header's device function reads blockIdx / gridDim; the test program gives it host stand-ins (and
+a stand-in cute/config.hpp whose CUTE_DEVICE is plain `inline`), sets them to every CTA of a grid and
+checks what the kernels rely on:
+  - the CTA -> (block, head, batch) map is a bijection onto the grid for every section size,
+    including a last section with fewer pairs;
+  - within a section the CTAs go block rank by block rank (the longest first) over the section's
+    pairs, and sections follow each other;
+  - pairs_per_section <= 0 is the plain order;
+  - the section sizes the launchers compute are powers of two that fit the L2 share (or 1), never
+    more than the grid's pairs, and 0 (the plain order) for deterministic mode, unmasked problems and
+    sequences below the floor.
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROGRAM = r"""
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <set>
+#include <tuple>
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+static dim3 blockIdx, gridDim;
+using std::min;
+#include "common/block_order.h"
+using namespace flashtile;
+
+static int failures = 0;
+static void check(bool ok, char const* fmt, ...) {
+  if (ok) { return; }
+  ++failures;
+  std::va_list args;
+  va_start(args, fmt);
+  std::printf("FAIL ");
+  std::vprintf(fmt, args);
+  std::printf("\n");
+  va_end(args);
+}
+
+static void check_grid(int blocks, int heads, int batch, int pps) {
+  gridDim = dim3{unsigned(blocks), unsigned(heads), unsigned(batch)};
+  std::set<std::tuple<int, int, int>> seen;
+  int const pairs = heads * batch;
+  int prev_section = -1, prev_block = -1;
+  for (int z = 0; z < batch; ++z)
+    for (int y = 0; y < heads; ++y)
+      for (int x = 0; x < blocks; ++x) {
+        blockIdx = dim3{unsigned(x), unsigned(y), unsigned(z)};
+        BlockCoord const c = band_block_coord(pps);
+        check(c.block >= 0 && c.block < blocks && c.bidh >= 0 && c.bidh < heads && c.bidb >= 0 && c.bidb < batch,
+              "out of range: grid %d %d %d pps %d", blocks, heads, batch, pps);
+        seen.insert({c.block, c.bidh, c.bidb});
+        if (pps <= 0) {
+          check(c.block == x && c.bidh == y && c.bidb == z, "plain order changed: pps %d", pps);
+          continue;
+        }
+        int const section = (c.bidb * heads + c.bidh) / pps;
+        check(section >= prev_section, "sections out of order: grid %d %d %d pps %d", blocks, heads, batch, pps);
+        if (section == prev_section) {
+          check(c.block >= prev_block, "ranks out of order in a section: grid %d %d %d pps %d", blocks, heads, batch, pps);
+        }
+        prev_section = section;
+        prev_block = c.block;
+      }
+  check(int(seen.size()) == blocks * pairs, "not a bijection: grid %d %d %d pps %d (%zu of %d)", blocks, heads,
+        batch, pps, seen.size(), blocks * pairs);
+}
+
+static BwdParams bwd_params(int seqlen, int heads, int heads_k, int deterministic) {
+  FtBwdParams abi{};
+  abi.fwd.seqlen_q = abi.fwd.seqlen_k = seqlen;
+  abi.fwd.num_heads = heads;
+  abi.fwd.num_heads_k = heads_k;
+  abi.fwd.is_causal = 1;
+  abi.deterministic = deterministic;
+  return make_bwd_params(abi);
+}
+
+int main() {
+  int const grids[][3] = {{1, 1, 1}, {7, 1, 1}, {16, 5, 1}, {16, 2, 5}, {33, 3, 3}, {64, 16, 4}, {8, 32, 7}, {5, 7, 9}};
+  for (auto const& g : grids)
+    for (int pps : {0, 1, 2, 4, 8, 16, 64})
+      if (pps <= g[1] * g[2]) check_grid(g[0], g[1], g[2], pps);
+
+  for (int pairs : {1, 3, 5, 16, 100})
+    for (long long bytes : {1LL, 1LL << 20, 3LL << 20, 16LL << 20, 1LL << 30})
+      for (int mb : {1, 16, 32}) {
+        int const s = pairs_in_share(bytes, pairs, mb);
+        check(s >= 1 && s <= pairs && (s & (s - 1)) == 0, "pairs_in_share %d %lld %d -> %d", pairs, bytes, mb, s);
+        check(s == 1 || s * bytes <= (static_cast<long long>(mb) << 20), "pairs_in_share overflows the share: %d", s);
+        check(2 * s > pairs || 2 * s * bytes > (static_cast<long long>(mb) << 20), "pairs_in_share not the largest: %d", s);
+      }
+
+  using E = unsigned short;  // a 16-bit element
+  dim3 grid{32, 8, 4};
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 0), true, grid, 2048) > 0, "bwd sections off at 4k");
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 1), true, grid, 2048) == 0, "bwd sections in deterministic mode");
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 0), false, grid, 2048) == 0, "bwd sections without a mask");
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(1024, 8, 8, 0), true, grid, 2048) == 0, "bwd sections below the floor");
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(1024, 8, 8, 0), true, grid, 512) > 0, "bwd sections off above the floor");
+  // 4k keys, d 128: 4 MB per pair (Q, dO 16-bit, dq fp32) -> 4 pairs in 16 MB; GQA 4:1 -> 1.
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 0), true, grid, 2048) == 4, "bwd section size");
+  check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 2, 0), true, grid, 2048) == 1, "bwd GQA section size");
+
+  FwdParams f = bwd_params(4096, 8, 2, 0).fwd;
+  // 4k keys, d 128: 2 MB of K/V per KV head, shared by 4 query heads -> 0.5 MB per pair -> 32 pairs.
+  check(fwd_pairs_per_section<E, 128, 128>(f, true, grid) == 32, "fwd section size");
+  check(fwd_pairs_per_section<E, 128, 128>(f, false, grid) == 0, "fwd sections without a mask");
+  FwdParams short_f = bwd_params(256, 8, 2, 0).fwd;
+  check(fwd_pairs_per_section<E, 128, 128>(short_f, true, grid) == 0, "fwd sections below the floor");
+
+  std::printf("%d failures\n", failures);
+  return failures != 0;
+}
+"""
+
+
+def test_band_block_order_on_the_host(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler found to build the launch-order check")
+    stub = tmp_path / "stub" / "cute"
+    stub.mkdir(parents=True)
+    (stub / "config.hpp").write_text("#pragma once\n#define CUTE_HOST_DEVICE inline\n#define CUTE_DEVICE inline\n")
+    prog = tmp_path / "order.cpp"
+    prog.write_text(PROGRAM)
+    exe = tmp_path / "order"
+    res = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(tmp_path / "stub"), "-I", ROOT, str(prog), "-o", str(exe)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("0 failures")
