@@ -49,8 +49,10 @@ struct BlockCoord {
   int block, bidh, bidb;
 };
 
-// The largest power of two of (head, batch) pairs, at most num_pairs, whose bytes fit share_mb.
+// The largest power of two of (head, batch) pairs, at most num_pairs, whose bytes fit share_mb; 0
+// (the plain order) for a share of 0.
 inline int pairs_in_share(int64_t bytes_per_pair, int num_pairs, int share_mb) {
+  if (share_mb <= 0) { return 0; }
   int64_t const fit = (int64_t(share_mb) << 20) / std::max<int64_t>(bytes_per_pair, 1);
   int pairs = 1;
   while (int64_t(pairs) * 2 <= fit && pairs * 2 <= num_pairs) { pairs *= 2; }
@@ -76,26 +78,32 @@ template <class Element, int kHeadDim, int kHeadDimV>
 int fwd_pairs_per_section(FwdParams const& params, bool is_band, dim3 grid) {
   constexpr int kMinQueries = FLASHTILE_FWD_SECTION_MIN_QUERIES >= 0 ? FLASHTILE_FWD_SECTION_MIN_QUERIES : 512;
   FtFwdParams const& p = params.abi;
-  int const share_mb = FLASHTILE_FWD_SECTION_MB >= 0 ? FLASHTILE_FWD_SECTION_MB : 16;
-  if (!is_band || p.seqlen_q < kMinQueries || share_mb == 0) { return 0; }
+  if (!is_band || p.seqlen_q < kMinQueries) { return 0; }
   int64_t const bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element)) / params.h_h_k_ratio;
-  return pairs_in_share(bytes, int(grid.y * grid.z), share_mb);
+  return pairs_in_share(bytes, int(grid.y * grid.z), FLASHTILE_FWD_SECTION_MB >= 0 ? FLASHTILE_FWD_SECTION_MB : 16);
+}
+
+// Index idx of num_blocks * num_pairs work items in section order -> (rank, pair): sections of
+// pairs_per_section consecutive pairs (the last may hold fewer), and in a section rank by rank, each
+// rank over the section's pairs. Also the Hopper forward scheduler's band-mask tile order.
+CUTE_HOST_DEVICE void section_order(int idx, int num_blocks, int num_pairs, int pairs_per_section, int& rank, int& pair) {
+  int const section_items = pairs_per_section * num_blocks;
+  int const section = idx / section_items;
+  int const r = idx - section * section_items;
+  int const pair0 = section * pairs_per_section;
+  int const pairs = min(pairs_per_section, num_pairs - pair0);
+  rank = r / pairs;
+  pair = pair0 + (r - rank * pairs);
 }
 
 // The coordinates of this CTA; block is its rank in launch order (0 first: the caller maps it to the
-// longest block). pairs_per_section > 0: the section order above; the last section may hold fewer
-// pairs.
+// longest block). pairs_per_section > 0: the section order; <= 0: the plain order.
 CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
   if (pairs_per_section <= 0) { return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}; }
   int const num_blocks = gridDim.x, num_heads = gridDim.y, num_pairs = gridDim.y * gridDim.z;
   int const idx = int(blockIdx.x) + num_blocks * (int(blockIdx.y) + num_heads * int(blockIdx.z));
-  int const section_ctas = pairs_per_section * num_blocks;
-  int const section = idx / section_ctas;
-  int const r = idx - section * section_ctas;
-  int const pair0 = section * pairs_per_section;
-  int const pairs = min(pairs_per_section, num_pairs - pair0);
-  int const block = r / pairs;
-  int const pair = pair0 + (r - block * pairs);
+  int block, pair;
+  section_order(idx, num_blocks, num_pairs, pairs_per_section, block, pair);
   return {block, pair % num_heads, pair / num_heads};
 }
 

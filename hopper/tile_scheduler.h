@@ -15,13 +15,16 @@
 //   band mask (causal, local): tiles differ in length (causal: m_block + 1 KV blocks), so they go
 //     longest first, within sections of `heads_per_section` (head, batch) pairs whose K/V fit in L2
 //     together: section by section, and in a section all its heads' last query blocks first, then the
-//     blocks before them. Ordering all heads' last blocks first without sections was measured slower
-//     at 4k-16k causal (K/V of every head competing for L2).
+//     blocks before them (common/block_order.h's section_order, shared with the non-persistent
+//     grids). Ordering all heads' last blocks first without sections was measured slower at 4k-16k
+//     causal (K/V of every head competing for L2).
 #pragma once
 
 #include <cute/config.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>  // cutlass::PipelineState
+
+#include "common/block_order.h"  // section_order
 
 namespace flashtile::hopper {
 
@@ -49,13 +52,8 @@ struct TileScheduler {
       idx /= groups;
       return {m, idx % num_heads, idx / num_heads};
     } else {
-      int const section_tiles = heads_per_section * num_m_blocks;
-      int const section = idx / section_tiles;
-      int const r = idx - section * section_tiles;
-      int const hb0 = section * heads_per_section;
-      int const heads = min(heads_per_section, num_heads * num_batch - hb0);  // the last section may be short
-      int const m_rank = r / heads;
-      int const hb = hb0 + (r - m_rank * heads);
+      int m_rank, hb;
+      section_order(idx, num_m_blocks, num_heads * num_batch, heads_per_section, m_rank, hb);
       return {num_m_blocks - 1 - m_rank, hb % num_heads, hb / num_heads};
     }
   }

@@ -98,6 +98,8 @@ int main() {
         check(2 * s > pairs || 2 * s * bytes > (static_cast<long long>(mb) << 20), "pairs_in_share not the largest: %d", s);
       }
 
+  check(pairs_in_share(1 << 20, 8, 0) == 0, "a zero share is not the plain order");
+
   using E = unsigned short;  // a 16-bit element
   dim3 grid{32, 8, 4};
   check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 0), true, grid, 2048) > 0, "bwd sections off at 4k");
