@@ -95,6 +95,29 @@ struct TileWork {
   bool in_range, active;
 };
 
+// Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
+// blocks), for measuring its gain.
+#ifndef FLASHTILE_FWD_WG_SKIP
+#define FLASHTILE_FWD_WG_SKIP 1
+#endif
+
+// The end of consumer warpgroup wg's KV blocks in tile w: under a band mask with a right edge, the
+// tile's last blocks can lie past the last key any of the warpgroup's 64 rows sees (block_n < block_m:
+// the tall tile, d >= 192). Kept at least one block past n_block_min, so that a warpgroup whose rows see
+// no key at all runs as before.
+template <class Traits, bool kIsBand>
+CUTE_DEVICE int wg_block_max(FtFwdParams const& p, TileWork const& w, int wg, int q_per_tile, int pack) {
+  if constexpr (!kIsBand || Traits::kBlockN >= Traits::kBlockM || FLASHTILE_FWD_WG_SKIP == 0) {
+    return w.n_block_max;
+  } else {
+    if (p.window_right < 0) { return w.n_block_max; }
+    int const q_end = min(w.seq.seqlen_q, w.coord.m_block * q_per_tile + (64 * wg + 63) / pack + 1);
+    int const col_end = q_end + w.seq.seqlen_k - w.seq.seqlen_q + p.window_right;
+    int const n = col_end <= 0 ? 0 : (col_end + Traits::kBlockN - 1) / Traits::kBlockN;
+    return max(min(w.n_block_max, n), w.n_block_min + 1);
+  }
+}
+
 // q_per_tile: queries per tile (block_m, or fewer under GQA packing).
 template <class Traits, bool kIsBand>
 CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile) {
@@ -505,8 +528,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOrP = make_tensor<Element>(new_scores().layout());
     Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
     PipelineState v_state;
-    // Head turn of a tile: its first S GEMM, then that block's softmax.
+    // This warpgroup's end of the tile's KV blocks (wg_block_max).
+    int n_max_wg = 0;
+    // Head turn of a tile: its first S GEMM, then that block's softmax. Blocks masked whole for this
+    // warpgroup's rows come first in the walk: for each it takes its turn without GEMMs and releases
+    // the K and V stages once they are full (an earlier release could land in the phase of the stage's
+    // previous fill, which the other warpgroups may still be reading).
     auto head = [&](TileWork const& t) {
+      n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
+      if constexpr (kIsBand && Traits::kBlockN < kBlockM) {
+        // Under kOOverV the producer's next V load waits for this warpgroup's previous O store.
+        if (n_max_wg < t.n_block_max) { finish_store(); }
+        for (int n_block = t.n_block_max - 1; n_block >= n_max_wg; --n_block) {
+          turn.wait_turn();
+          turn.pass_turn(false);
+          consumer_k.consumer_wait(read_state);
+          consumer_k.consumer_release(read_state);
+          consumer_v.consumer_wait(read_state);
+          consumer_v.consumer_release(read_state);
+          ++read_state;
+        }
+      }
       Tensor tSrS = new_scores();
       turn.wait_turn();
       pipeline_q.consumer_wait(q_read_state);
@@ -516,9 +558,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       finish_store();  // the previous tile's store (two Q stages, or O over V), under this GEMM
       warpgroup_wait<0>();
       consumer_k.consumer_release(read_state);
-      if (Traits::kOOverV && t.n_block_max - 1 == t.n_block_min) { release_q(q_read_state.index()); }  // one block
+      if (Traits::kOOverV && n_max_wg - 1 == t.n_block_min) { release_q(q_read_state.index()); }  // one block
       first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(t), softmax, params.softcap_scale,
-                                                        t.coord.m_block, t.n_block_max - 1);
+                                                        t.coord.m_block, n_max_wg - 1);
       clear(tOrO);
       v_state = read_state;
       ++read_state;
@@ -530,7 +572,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         overlap_body<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, v_state,
                                                    tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
                                                    make_mask(w), softmax, params.softcap_scale, w.coord.m_block,
-                                                   w.n_block_min, w.n_block_max, turn, [&] {
+                                                   w.n_block_min, n_max_wg, turn, [&] {
                                                      if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
                                                    });
         TileWork nw;
