@@ -66,6 +66,13 @@ struct SeqInfo {
   }
 };
 
+// Under a band with a right edge (window_right >= 0): one past the last KV block that any query
+// below q_end (clamped to seqlen_q) sees, i.e. the block of the last such row's last visible column.
+CUTE_DEVICE int kv_block_end_right(FtFwdParams const& p, SeqInfo const& s, int q_end, int block_n) {
+  int const col_end = min(s.seqlen_q, q_end) + s.seqlen_k - s.seqlen_q + p.window_right;
+  return col_end <= 0 ? 0 : (col_end + block_n - 1) / block_n;
+}
+
 // KV block range [n_block_min, n_block_max) visible to query block m_block under the bottom-right
 // aligned band  i + sk - sq - wl <= j <= i + sk - sq + wr  (negative w = unbounded).
 template <bool kIsBand>
@@ -74,15 +81,10 @@ CUTE_DEVICE void kv_block_range(FtFwdParams const& p, SeqInfo const& s, int m_bl
   n_block_min = 0;
   n_block_max = (s.seqlen_k + block_n - 1) / block_n;
   if constexpr (kIsBand) {
-    int const offset = s.seqlen_k - s.seqlen_q;
-    int const wr = p.window_right;  // causal already normalized to 0 (make_fwd_params)
-    if (wr >= 0) {
-      // Last visible column of the tile's last row, plus one.
-      int const col_end = min(s.seqlen_q, (m_block + 1) * block_m) + offset + wr;
-      n_block_max = min(n_block_max, col_end <= 0 ? 0 : (col_end + block_n - 1) / block_n);
-    }
+    // causal: window_right already normalized to 0 (make_fwd_params)
+    if (p.window_right >= 0) { n_block_max = min(n_block_max, kv_block_end_right(p, s, (m_block + 1) * block_m, block_n)); }
     if (p.window_left >= 0) {
-      int const col_begin = m_block * block_m + offset - p.window_left;
+      int const col_begin = m_block * block_m + s.seqlen_k - s.seqlen_q - p.window_left;
       n_block_min = col_begin <= 0 ? 0 : col_begin / block_n;
     }
   }

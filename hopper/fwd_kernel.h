@@ -101,20 +101,23 @@ struct TileWork {
 #define FLASHTILE_FWD_WG_SKIP 1
 #endif
 
+// Whether a warpgroup can have blocks of its tile masked whole: band masks on tiles with
+// block_n < block_m (the tall tile; 128 x 96 at d 192, 128 x 80 at d 256).
+template <class Traits, bool kIsBand>
+constexpr bool kWgSkip = kIsBand && Traits::kBlockN < Traits::kBlockM && FLASHTILE_FWD_WG_SKIP != 0;
+
 // The end of consumer warpgroup wg's KV blocks in tile w: under a band mask with a right edge, the
-// tile's last blocks can lie past the last key any of the warpgroup's 64 rows sees (block_n < block_m:
-// the tall tile, d >= 192). Kept at least one block past n_block_min, so that a warpgroup whose rows see
-// no key at all runs as before.
+// tile's last blocks can lie past the last key any of the warpgroup's 64 rows (queries up to
+// (64 wg + 63) / pack of the tile) sees. Kept at least one block past n_block_min, so that a
+// warpgroup whose rows see no key at all runs as before.
 template <class Traits, bool kIsBand>
 CUTE_DEVICE int wg_block_max(FtFwdParams const& p, TileWork const& w, int wg, int q_per_tile, int pack) {
-  if constexpr (!kIsBand || Traits::kBlockN >= Traits::kBlockM || FLASHTILE_FWD_WG_SKIP == 0) {
+  if constexpr (!kWgSkip<Traits, kIsBand>) {
     return w.n_block_max;
   } else {
     if (p.window_right < 0) { return w.n_block_max; }
-    int const q_end = min(w.seq.seqlen_q, w.coord.m_block * q_per_tile + (64 * wg + 63) / pack + 1);
-    int const col_end = q_end + w.seq.seqlen_k - w.seq.seqlen_q + p.window_right;
-    int const n = col_end <= 0 ? 0 : (col_end + Traits::kBlockN - 1) / Traits::kBlockN;
-    return max(min(w.n_block_max, n), w.n_block_min + 1);
+    int const q_end = w.coord.m_block * q_per_tile + (64 * wg + 63) / pack + 1;
+    return max(min(w.n_block_max, kv_block_end_right(p, w.seq, q_end, Traits::kBlockN)), w.n_block_min + 1);
   }
 }
 
@@ -536,7 +539,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // previous fill, which the other warpgroups may still be reading).
     auto head = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
-      if constexpr (kIsBand && Traits::kBlockN < kBlockM) {
+      if constexpr (kWgSkip<Traits, kIsBand>) {
         // Under kOOverV the producer's next V load waits for this warpgroup's previous O store.
         if (n_max_wg < t.n_block_max) { finish_store(); }
         for (int n_block = t.n_block_max - 1; n_block >= n_max_wg; --n_block) {
