@@ -96,6 +96,21 @@ CUTE_HOST_DEVICE void section_order(int idx, int num_blocks, int num_pairs, int 
   pair = pair0 + (r - rank * pairs);
 }
 
+// Index idx of num_blocks * num_pairs work items -> (rank, pair) in two parts: the first lead_pairs
+// pairs in section order with sections of lead_group pairs, then the rest in sections of
+// pairs_per_section (the Hopper forward scheduler's band-mask tile order: small groups while work
+// remains, one wide longest-first section for the tail). lead_pairs = 0 is plain section_order.
+CUTE_HOST_DEVICE void lead_section_order(int idx, int num_blocks, int num_pairs, int lead_pairs, int lead_group,
+                                         int pairs_per_section, int& rank, int& pair) {
+  int const lead = lead_pairs * num_blocks;
+  if (idx < lead) {
+    section_order(idx, num_blocks, lead_pairs, lead_group, rank, pair);
+  } else {
+    section_order(idx - lead, num_blocks, num_pairs - lead_pairs, pairs_per_section, rank, pair);
+    pair += lead_pairs;
+  }
+}
+
 // The coordinates of this CTA; block is its rank in launch order (0 first: the caller maps it to the
 // longest block). pairs_per_section > 0: the section order; <= 0: the plain order.
 CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {

@@ -71,7 +71,7 @@ struct FwdKernelParams {
                                       typename Traits::TileShapeOWG{}, _1{}));
   FwdParams fwd;
   int num_m_blocks;
-  int heads_per_section;
+  int heads_per_section, lead_pairs, lead_group;  // band-mask tile order (TileScheduler)
   // GQA packing: pack > 1 puts the `pack` query heads of a KV head into one tile (row r: query
   // r / pack of head r % pack), a tile spans q_per_tile queries, and the scheduler's heads are KV
   // heads. Q then loads through tma_q_packed; O and the LSE leave through per-row stores.
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
-                                     kp.heads_per_section, p.tile_counter};
+                                     kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter};
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);

@@ -17,14 +17,16 @@
 //     together: section by section, and in a section all its heads' last query blocks first, then the
 //     blocks before them (common/block_order.h's section_order, shared with the non-persistent
 //     grids). Ordering all heads' last blocks first without sections was measured slower at 4k-16k
-//     causal (K/V of every head competing for L2).
+//     causal (K/V of every head competing for L2). The pairs before the last section may go in
+//     smaller groups (`lead_pairs`, `lead_group`: lead_section_order), so that fewer heads' K/V are
+//     read at once; the last section's short tiles still fill the tail.
 #pragma once
 
 #include <cute/config.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>  // cutlass::PipelineState
 
-#include "common/block_order.h"  // section_order
+#include "common/block_order.h"  // lead_section_order
 
 namespace flashtile::hopper {
 
@@ -36,8 +38,10 @@ template <bool kIsBand, int kClusterM = 1>
 struct TileScheduler {
   static_assert(kClusterM == 1 || !kIsBand, "band-masked tiles differ in length: no static cluster schedule");
   int num_m_blocks, num_heads, num_batch;  // clusters: num_m_blocks is a multiple of kClusterM
-  int heads_per_section;  // band masks only: (head, batch) pairs interleaved longest-first
-  int* tile_counter;      // zeroed before the launch; counts tiles handed out past the first wave
+  // Band masks only: the first lead_pairs (head, batch) pairs in groups of lead_group, the rest in
+  // sections of heads_per_section, each group or section longest-first.
+  int heads_per_section, lead_pairs, lead_group;
+  int* tile_counter;  // zeroed before the launch; counts tiles handed out past the first wave
 
   CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
 
@@ -53,7 +57,7 @@ struct TileScheduler {
       return {m, idx % num_heads, idx / num_heads};
     } else {
       int m_rank, hb;
-      section_order(idx, num_m_blocks, num_heads * num_batch, heads_per_section, m_rank, hb);
+      lead_section_order(idx, num_m_blocks, num_heads * num_batch, lead_pairs, lead_group, heads_per_section, m_rank, hb);
       return {num_m_blocks - 1 - m_rank, hb % num_heads, hb / num_heads};
     }
   }

@@ -8,6 +8,8 @@ checks what the kernels rely on:
   - within a section the CTAs go block rank by block rank (the longest first) over the section's
     pairs, and sections follow each other;
   - pairs_per_section <= 0 is the plain order;
+  - the Hopper forward's tile order (lead_section_order) is a bijection onto (rank, pair) that takes
+    the lead pairs first, group by group and rank by rank in a group, then the other pairs in sections;
   - the section sizes the launchers compute are powers of two that fit the L2 share (or 1), never
     more than the grid's pairs, and 0 (the plain order) for deterministic mode, unmasked problems and
     sequences below the floor.
@@ -73,6 +75,28 @@ static void check_grid(int blocks, int heads, int batch, int pps) {
         batch, pps, seen.size(), blocks * pairs);
 }
 
+// Every item of lead_section_order: a bijection, the lead pairs' items first (group by group, ranks in
+// order within a group), then the rest's (section by section, ranks in order within a section).
+static void check_lead(int blocks, int pairs, int lead, int group, int pps) {
+  std::set<std::pair<int, int>> seen;
+  int prev_part = -1, prev_rank = -1;
+  for (int idx = 0; idx < blocks * pairs; ++idx) {
+    int rank, pair;
+    lead_section_order(idx, blocks, pairs, lead, group, pps, rank, pair);
+    check(rank >= 0 && rank < blocks && pair >= 0 && pair < pairs, "lead order out of range: %d %d %d %d %d idx %d", blocks,
+          pairs, lead, group, pps, idx);
+    seen.insert({rank, pair});
+    bool const in_lead = idx < lead * blocks;
+    check(in_lead == (pair < lead), "lead order mixes the parts: %d %d %d %d %d idx %d", blocks, pairs, lead, group, pps, idx);
+    int const part = in_lead ? pair / group : 1 << 20 | (pair - lead) / pps;  // group, or section after all groups
+    check(part >= prev_part, "lead order: groups / sections out of order at idx %d", idx);
+    if (part == prev_part) { check(rank >= prev_rank, "lead order: ranks out of order at idx %d", idx); }
+    prev_part = part;
+    prev_rank = rank;
+  }
+  check(int(seen.size()) == blocks * pairs, "lead order not a bijection: %d %d %d %d %d", blocks, pairs, lead, group, pps);
+}
+
 static BwdParams bwd_params(int seqlen, int heads, int heads_k, int deterministic) {
   FtBwdParams abi{};
   abi.fwd.seqlen_q = abi.fwd.seqlen_k = seqlen;
@@ -88,6 +112,10 @@ int main() {
   for (auto const& g : grids)
     for (int pps : {0, 1, 2, 4, 8, 16, 64})
       if (pps <= g[1] * g[2]) check_grid(g[0], g[1], g[2], pps);
+
+  int const leads[][5] = {{4, 128, 96, 4, 32}, {16, 128, 96, 4, 32}, {7, 10, 6, 4, 3}, {3, 9, 0, 4, 4},
+                          {5, 64, 63, 1, 1}, {9, 48, 40, 16, 8}, {1, 12, 8, 3, 4}};
+  for (auto const& l : leads) check_lead(l[0], l[1], l[2], l[3], l[4]);
 
   for (int pairs : {1, 3, 5, 16, 100})
     for (long long bytes : {1LL, 1LL << 20, 3LL << 20, 16LL << 20, 1LL << 30})

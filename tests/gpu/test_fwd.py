@@ -247,6 +247,19 @@ def test_fwd_long_sequence(dtype, causal, seed):
         del refs
 
 
+
+@pytest.mark.parametrize("heads", [(16, 16), (16, 4)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_causal_many_pairs(dtype, heads, seed):
+    """Causal, 16 x 16 (head, batch) pairs of 1000 queries (last query block partial), MHA and GQA 4:1: on
+    Hopper the dynamic scheduler's tile order has lead groups of pairs before its last L2 section
+    (d 128), every pair's tiles spread over CTAs."""
+    require_built(dtype, 128, 128, band=True)
+    h, hk = heads
+    q, k, v = random_qkv(16, 1000, 1000, h, hk, 128, 128, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    out, lse = run_fwd(q, k, v, causal=True)
+    _check("out", out, lse, _refs(q, k, v, causal=True))
+
 # Hopper forward without a band mask on an even number of query blocks: 2-CTA clusters sharing K/V
 # through multicast. Last query block partial, keys not a multiple of the tile, more block pairs than
 # resident clusters (b 3 x h 8 x 4 pairs), and a shape with one key.
