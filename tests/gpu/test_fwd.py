@@ -247,7 +247,6 @@ def test_fwd_long_sequence(dtype, causal, seed):
         del refs
 
 
-
 @pytest.mark.parametrize("heads", [(16, 16), (16, 4)], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fwd_causal_many_pairs(dtype, heads, seed):
@@ -259,6 +258,7 @@ def test_fwd_causal_many_pairs(dtype, heads, seed):
     q, k, v = random_qkv(16, 1000, 1000, h, hk, 128, 128, dtype=DTYPES[dtype], device="cuda", seed=seed)
     out, lse = run_fwd(q, k, v, causal=True)
     _check("out", out, lse, _refs(q, k, v, causal=True))
+
 
 # Hopper forward without a band mask on an even number of query blocks: 2-CTA clusters sharing K/V
 # through multicast. Last query block partial, keys not a multiple of the tile, more block pairs than
