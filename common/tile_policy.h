@@ -256,6 +256,11 @@ struct HopperBwdTile {
   // instead of staged in shared memory for a TMA reduce-add: no staging tile, no writer handshake,
   // and the staging stores and TMA reads leave the shared-memory pipe the SS GEMMs are bound by.
   bool dq_red;
+  // block_n = 128 (S^T/dP^T schedule) only: step s + 1 issues step s's dQ GEMM (its dS is already in
+  // shared memory) ahead of its own S^T / dP^T, and stages it once those are done, so the dQ GEMM
+  // leaves the chain S^T -> exp -> dS -> dQ and runs under the next step's exponentials; dV and dK are
+  // issued as soon as P^T and dS^T are ready. The last step's dQ follows the walk.
+  bool dq_lag;
 };
 
 // Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
@@ -267,16 +272,28 @@ struct HopperBwdTile {
 #ifndef FLASHTILE_BWD_DQ_RED
 #define FLASHTILE_BWD_DQ_RED -1
 #endif
+// FLASHTILE_BWD_QDO_STAGES: Q and dO stages (both).
+#ifndef FLASHTILE_BWD_QDO_STAGES
+#define FLASHTILE_BWD_QDO_STAGES -1
+#endif
+// FLASHTILE_BWD_DQ_LAG: HopperBwdTile::dq_lag (0 off, 1 on; block_n = 128 only).
+#ifndef FLASHTILE_BWD_DQ_LAG
+#define FLASHTILE_BWD_DQ_LAG -1
+#endif
 
-// d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap.
+// d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap. It takes
+// dq_lag instead: +1-2% causal, +-1% non-causal on an H100 at 1k-16k (four rounds); at d = 128 dq_lag
+// measured 3-7% slower than dq_overlap (benchmarks/NOTES.md, session 22).
 constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false, false}
-                    : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true, false}
-                    : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false, false}
-                               : HopperBwdTile{64, 64, 1, 1, 24, 240, false, false};
+  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false, false, true}
+                    : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true, false, false}
+                    : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false, false, false}
+                               : HopperBwdTile{64, 64, 1, 1, 24, 240, false, false, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
   if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
+  if (t.block_n == 128 && FLASHTILE_BWD_DQ_LAG >= 0) { t.dq_lag = FLASHTILE_BWD_DQ_LAG == 1; }
+  if (FLASHTILE_BWD_QDO_STAGES > 0) { t.q_stages = t.do_stages = FLASHTILE_BWD_QDO_STAGES; }
   // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
   if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }
   return t;

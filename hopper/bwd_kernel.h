@@ -23,10 +23,13 @@
 // (and P) of the step are in shared memory, since both warpgroups read all of them; without kSwapSdP,
 // kPdSEmpty before they are overwritten (kSwapSdP double-buffers dS instead). The Q and dO stages are
 // released after the GEMMs that read them have completed.
-// kSwapSdP step orders (HopperBwdTile::dq_overlap):
-//   off: S^T, dP^T; P^T; dV issued; dS^T; dK issued; dS stored; kPdSFull; dQ; all done; dQ staged.
-//   on:  S^T, dP^T; P^T, dS^T; dS stored; dV issued; kPdSFull; dQ issued; dV done (dO released);
-//        dK issued; dQ done, staged while dK runs; dK done (Q released).
+// kSwapSdP step orders (HopperBwdTile::dq_overlap, dq_lag):
+//   neither: S^T, dP^T; P^T; dV issued; dS^T; dK issued; dS stored; kPdSFull; dQ; all done; dQ staged.
+//   overlap: S^T, dP^T; P^T, dS^T; dS stored; dV issued; kPdSFull; dQ issued; dV done (dO released);
+//            dK issued; dQ done, staged while dK runs; dK done (Q released).
+//   lag:     [the previous step's dQ issued;] S^T; [that dQ done, staged while S^T runs;] dP^T; P^T;
+//            dV issued; dS^T; dK issued; dS stored; kPdSFull; all done. The last step's dQ follows the
+//            walk; the dQ writer sees the same sequence of hand-offs.
 // Otherwise: S, dP; P, dS; kPdSEmpty; P, dS stored; kPdSFull; dQ, dV, dK issued; dQ done, staged
 //   while dV and dK run; dV done (dO released); [d = 256: second dQ pass issued]; dK done (Q
 //   released); [second pass done, staged].
@@ -387,6 +390,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   bool const stat_thread = thread_idx < 2 * kBlockM;
   auto load_stat = [&](BwdStep const& st) { return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM); };
   BwdStep st(bidh_k, group, m_block_min);
+  BwdStep prev = st;  // kdQLag: the step whose dQ is pending
   if (num_steps > 0) {
     if constexpr (kSwap) {
       if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
@@ -418,8 +422,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f;
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
-      pipeline_q.consumer_wait(read_q);
-      wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+      constexpr bool kLag = Traits::kdQLag;
+      // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
+      // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
+      // accumulators and dP^T's from being live together).
+      if constexpr (kLag) {
+        if (step > 0) {
+          Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
+          dq_gemm((step + 1) % 2, 0, acc_dq_prev);
+          pipeline_q.consumer_wait(read_q);
+          wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+          warpgroup_wait<1>();  // the previous dQ done; S^T running
+          warpgroup_fence_operand(acc_dq_prev);
+          dq_begin(prev, step == 1);
+          dq_put(acc_dq_prev, 0, prev);
+          dq_end();
+        } else {
+          pipeline_q.consumer_wait(read_q);
+          wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+        }
+      } else {
+        pipeline_q.consumer_wait(read_q);
+        wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+      }
       pipeline_do.consumer_wait(read_do);
       wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
       if constexpr (kHasSoftcap) {
@@ -445,7 +470,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
       }
-      constexpr bool kOverlap = Traits::kdQPerWg;
+      constexpr bool kOverlap = Traits::kdQPerWg && !kLag;
       // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready; with it, dV follows
       // the dS stores and dK the dQ GEMM.
       Tensor rP = convert_fragment<Element>(acc_s);
@@ -479,8 +504,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
       // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
       Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
-      dq_gemm(ds_stage, 0, acc_dq);
-      if constexpr (kOverlap) {
+      if constexpr (!kLag) { dq_gemm(ds_stage, 0, acc_dq); }
+      if constexpr (kLag) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(rP);
+        warpgroup_fence_operand(rdS);
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        pipeline_q.consumer_release(read_q);
+        pipeline_do.consumer_release(read_do);
+      } else if constexpr (kOverlap) {
         warpgroup_wait<1>();  // dV done; dQ still running
         warpgroup_fence_operand(rP);
         warpgroup_fence_operand(acc_dv);
@@ -607,7 +640,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     ++read_q;
     ++read_do;
+    prev = st;
     st = next;
+  }
+  if constexpr (Traits::kdQLag) {
+    if (num_steps > 0) {  // the last step's dQ
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+      dq_gemm((num_steps + 1) % 2, 0, acc_dq);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      dq_begin(prev, num_steps == 1);
+      dq_put(acc_dq, 0, prev);
+      dq_end();
+    }
   }
 
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.

@@ -112,7 +112,8 @@ struct BwdTraits {
   //  kdQPerWg: one part per consumer warpgroup (the rows or columns of dQ its MMA owns), the buffers
   //    one after the other as a (block_m, d) tile;
   //  otherwise one part, the whole tile.
-  static constexpr bool kdQPerWg = kSwapSdP && kTile.dq_overlap;
+  static constexpr bool kdQLag = kSwapSdP && kTile.dq_lag;
+  static constexpr bool kdQPerWg = kSwapSdP && (kTile.dq_overlap || kdQLag);
   static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
   static_assert(kdQRed || kdQPasses == 1 || kQStages + kdOStages == 2,
                 "d = 256 fits the whole dQ staging tile with one Q and one dO stage only");

@@ -106,17 +106,26 @@ struct TileWork {
 template <class Traits, bool kIsBand>
 constexpr bool kWgSkip = kIsBand && Traits::kBlockN < Traits::kBlockM && FLASHTILE_FWD_WG_SKIP != 0;
 
-// The end of consumer warpgroup wg's KV blocks in tile w: under a band mask with a right edge, the
-// tile's last blocks can lie past the last key any of the warpgroup's 64 rows (queries up to
-// (64 wg + 63) / pack of the tile) sees. Kept at least one block past n_block_min, so that a
-// warpgroup whose rows see no key at all runs as before.
+// The end of consumer warpgroup wg's KV blocks in tile w, kept at least one block past n_block_min
+// (a warpgroup walks at least its first block):
+//  - the tall tile's rows all past seqlen_q (its last query block at lengths that are not multiples
+//    of 192): that one block, their output rows being written as zeros. Under band masks the last
+//    query block is the longest tile; H100 causal 4k-16k +2-5% at d 64 and 128. Without a mask the
+//    skip's code in the tall kernel measured -0.5% on average at d 128 (+1.8% at d 64), so that
+//    kernel keeps none (benchmarks/NOTES.md, session 22);
+//  - under a band mask with a right edge, the tile's last blocks can lie past the last key any of
+//    the warpgroup's 64 rows (queries up to (64 wg + 63) / pack of the tile) sees.
 template <class Traits, bool kIsBand>
 CUTE_DEVICE int wg_block_max(FtFwdParams const& p, TileWork const& w, int wg, int q_per_tile, int pack) {
   if constexpr (!kWgSkip<Traits, kIsBand>) {
     return w.n_block_max;
   } else {
+    int const q_tile = w.coord.m_block * q_per_tile;
+    if constexpr (Traits::kBlockM > 128) {
+      if (q_tile + 64 * wg / pack >= w.seq.seqlen_q) { return w.n_block_min + 1; }
+    }
     if (p.window_right < 0) { return w.n_block_max; }
-    int const q_end = w.coord.m_block * q_per_tile + (64 * wg + 63) / pack + 1;
+    int const q_end = q_tile + (64 * wg + 63) / pack + 1;
     return max(min(w.n_block_max, kv_block_end_right(p, w.seq, q_end, Traits::kBlockN)), w.n_block_min + 1);
   }
 }

@@ -282,9 +282,10 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
 # Hopper forward at d <= 128 with about 4k query rows (the tile policy's tall tile: 192 rows on three
 # consumer warpgroups, chosen by hopper_fwd_tall from seqlen_q 2k without a band mask and 4k with one):
 # an odd number of query blocks (4000 rows: 21 blocks, the cluster-less kernel) and an even one (4224
-# rows: 22 blocks, 2-CTA clusters), a partial last block, fewer keys than queries under the
-# bottom-right causal mask, a local window, GQA packing (q_per_tile 48 rows of 4 heads) and varlen
-# sequences on both sides of the threshold.
+# rows: 22 blocks, 2-CTA clusters), a partial last block (under a band mask, 4100 / 4097 / 4096 rows
+# leave its last warpgroups' rows all past seqlen_q, and those walk one block), fewer keys than
+# queries under the bottom-right causal mask, a local window, GQA packing (q_per_tile 48 rows of 4
+# heads) and varlen sequences on both sides of the threshold.
 TALL_CASES = {
     "full-odd": dict(sq=4000, sk=3001, h=2, hk=2, causal=False),
     "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
