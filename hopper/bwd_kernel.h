@@ -376,6 +376,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
+  // kdQLag: hands off the completed dQ of walk step `step` (BwdStep prev), one step after its GEMM.
+  BwdStep prev(bidh_k, group, m_block_min);
+  auto put_lagged_dq = [&](auto& acc_dq, int step) {
+    warpgroup_fence_operand(acc_dq);
+    dq_begin(prev, step == 0);
+    dq_put(acc_dq, 0, prev);
+    dq_end();
+  };
+
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
   // LSE (exp2 domain) and D of one query row of a step: +inf / 0 past seqlen_q, so P = dS = 0 there.
@@ -390,7 +399,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   bool const stat_thread = thread_idx < 2 * kBlockM;
   auto load_stat = [&](BwdStep const& st) { return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM); };
   BwdStep st(bidh_k, group, m_block_min);
-  BwdStep prev = st;  // kdQLag: the step whose dQ is pending
   if (num_steps > 0) {
     if constexpr (kSwap) {
       if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
@@ -423,27 +431,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
       constexpr bool kLag = Traits::kdQLag;
+      auto s_gemm = [&] {
+        pipeline_q.consumer_wait(read_q);
+        wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+      };
       // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
       // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
       // accumulators and dP^T's from being live together).
-      if constexpr (kLag) {
-        if (step > 0) {
-          Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
-          dq_gemm((step + 1) % 2, 0, acc_dq_prev);
-          pipeline_q.consumer_wait(read_q);
-          wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
-          warpgroup_wait<1>();  // the previous dQ done; S^T running
-          warpgroup_fence_operand(acc_dq_prev);
-          dq_begin(prev, step == 1);
-          dq_put(acc_dq_prev, 0, prev);
-          dq_end();
-        } else {
-          pipeline_q.consumer_wait(read_q);
-          wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
-        }
+      if (kLag && step > 0) {
+        Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
+        dq_gemm((step + 1) % 2, 0, acc_dq_prev);
+        s_gemm();
+        warpgroup_wait<1>();  // the previous dQ done; S^T running
+        put_lagged_dq(acc_dq_prev, step - 1);
       } else {
-        pipeline_q.consumer_wait(read_q);
-        wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+        s_gemm();
       }
       pipeline_do.consumer_wait(read_do);
       wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
@@ -503,17 +505,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
       // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
+      // kLag: no dQ in this step (the next one issues it).
       Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
       if constexpr (!kLag) { dq_gemm(ds_stage, 0, acc_dq); }
-      if constexpr (kLag) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(rP);
-        warpgroup_fence_operand(rdS);
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_q);
-        pipeline_do.consumer_release(read_do);
-      } else if constexpr (kOverlap) {
+      if constexpr (kOverlap) {
         warpgroup_wait<1>();  // dV done; dQ still running
         warpgroup_fence_operand(rP);
         warpgroup_fence_operand(acc_dv);
@@ -534,12 +529,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(rdS);
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
-        warpgroup_fence_operand(acc_dq);
         pipeline_q.consumer_release(read_q);
         pipeline_do.consumer_release(read_do);
-        dq_begin(st, step == 0);
-        dq_put(acc_dq, 0, st);
-        dq_end();
+        if constexpr (!kLag) {
+          warpgroup_fence_operand(acc_dq);
+          dq_begin(st, step == 0);
+          dq_put(acc_dq, 0, st);
+          dq_end();
+        }
       }
     } else {
       Tensor tScS_rc = rowcol(tScS);
@@ -643,16 +640,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     prev = st;
     st = next;
   }
-  if constexpr (Traits::kdQLag) {
-    if (num_steps > 0) {  // the last step's dQ
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
-      dq_gemm((num_steps + 1) % 2, 0, acc_dq);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dq);
-      dq_begin(prev, num_steps == 1);
-      dq_put(acc_dq, 0, prev);
-      dq_end();
-    }
+  if (Traits::kdQLag && num_steps > 0) {  // the last step's dQ
+    Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+    dq_gemm((num_steps + 1) % 2, 0, acc_dq);
+    warpgroup_wait<0>();
+    put_lagged_dq(acc_dq, num_steps - 1);
   }
 
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
