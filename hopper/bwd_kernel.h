@@ -376,14 +376,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  // kdQLag: hands off the completed dQ of walk step `step` (BwdStep prev), one step after its GEMM.
-  BwdStep prev(bidh_k, group, m_block_min);
-  auto put_lagged_dq = [&](auto& acc_dq, int step) {
+  // Hands off a completed one-pass dQ of step s (`first`: the walk's first step).
+  auto put_dq = [&](auto& acc_dq, BwdStep const& s, bool first) {
     warpgroup_fence_operand(acc_dq);
-    dq_begin(prev, step == 0);
-    dq_put(acc_dq, 0, prev);
+    dq_begin(s, first);
+    dq_put(acc_dq, 0, s);
     dq_end();
   };
+  // kdQLag: the step whose dQ is pending (handed off one step after its GEMM).
+  BwdStep prev(bidh_k, group, m_block_min);
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
@@ -443,7 +444,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         dq_gemm((step + 1) % 2, 0, acc_dq_prev);
         s_gemm();
         warpgroup_wait<1>();  // the previous dQ done; S^T running
-        put_lagged_dq(acc_dq_prev, step - 1);
+        put_dq(acc_dq_prev, prev, step == 1);
       } else {
         s_gemm();
       }
@@ -515,10 +516,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pipeline_do.consumer_release(read_do);
         dk_gemm();
         warpgroup_wait<1>();  // dQ done; dK still running
-        warpgroup_fence_operand(acc_dq);
-        dq_begin(st, step == 0);
-        dq_put(acc_dq, 0, st);
-        dq_end();
+        put_dq(acc_dq, st, step == 0);
         warpgroup_wait<0>();
         warpgroup_fence_operand(rdS);
         warpgroup_fence_operand(acc_dk);
@@ -531,12 +529,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         warpgroup_fence_operand(acc_dk);
         pipeline_q.consumer_release(read_q);
         pipeline_do.consumer_release(read_do);
-        if constexpr (!kLag) {
-          warpgroup_fence_operand(acc_dq);
-          dq_begin(st, step == 0);
-          dq_put(acc_dq, 0, st);
-          dq_end();
-        }
+        if constexpr (!kLag) { put_dq(acc_dq, st, step == 0); }
       }
     } else {
       Tensor tScS_rc = rowcol(tScS);
@@ -644,7 +637,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
     dq_gemm((num_steps + 1) % 2, 0, acc_dq);
     warpgroup_wait<0>();
-    put_lagged_dq(acc_dq, num_steps - 1);
+    put_dq(acc_dq, prev, num_steps == 1);
   }
 
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
