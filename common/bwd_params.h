@@ -13,6 +13,9 @@ struct BwdParams {
   // Band masks outside deterministic mode: (head, batch) pairs per longest-first section of the grid
   // (common/block_order.h), set by the launcher; 0 = the plain order.
   int pairs_per_section;
+  // abi.dq_done set: the main kernel's CTAs per (batch, KV head), the count at which that head's dQ
+  // adds have all landed (set by the launcher whose main kernel counts them; 0 = not counted).
+  int dq_done_count;
 };
 
 inline BwdParams make_bwd_params(FtBwdParams const& abi) {

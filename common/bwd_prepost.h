@@ -5,6 +5,10 @@
 // P = exp2(s * scale_log2 - lse_log2) is exactly 0 there); the fp32 dq accumulator is cleared by a
 // memset before it. Postprocess: dq = softmax_scale * dq_accum in the input dtype (the scale is
 // applied once, here, rather than to every dS tile).
+// Launch overlap (Hopper): the preprocess lets the main kernel launch as soon as all its CTAs run, and
+// the main kernel lets the postprocess launch once all of its CTAs run; with dq_done counted, each
+// postprocess CTA waits only for the CTAs of its own (batch, KV head), so the heads finished before
+// the main kernel's last wave are converted on the SMs that wave leaves idle.
 // 16-byte vectors along the head dim, several rows per warp (PrePostLayout); rows past seqused_q get
 // D = 0, lse_log2 = +inf.
 // kPermuted: the accumulator is in DqAccumPerm<kHeadDim>'s order (the Ampere path, the Hopper path
@@ -17,6 +21,7 @@
 
 #include "common/bwd_params.h"
 #include "common/dq_accum_perm.h"
+#include "common/grid_dependency.h"
 #include "common/launch_status.h"
 #include "common/seq_info.h"
 
@@ -63,6 +68,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
   int const col = (threadIdx.x % L::kThreadsPerRow) * kVec;
   int const sub_row = threadIdx.x / L::kThreadsPerRow;
   bool const col_in = col < p.head_dim_v;
+  pdl_launch_dependents();  // the main kernel waits for this grid before it reads D and the LSE
   // Row blocks beyond the grid's y extent (65535) are taken by a stride loop.
   for (int row0 = blockIdx.y * kPrePostRowsPerBlock; row0 < seq.seqlen_q_alloc; row0 += gridDim.y * kPrePostRowsPerBlock) {
     CUTE_UNROLL
@@ -119,6 +125,16 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
   int const col = (threadIdx.x % L::kThreadsPerRow) * kVec;
   int const sub_row = threadIdx.x / L::kThreadsPerRow;
   bool const col_in = col < p.head_dim;
+  bool const counted = b.dq_done != nullptr && params.dq_done_count > 0;
+  if (counted) {
+    if (threadIdx.x == 0) {
+      wait_counter_at_least(b.dq_done + int64_t(bidb) * p.num_heads_k + bidh / params.fwd.h_h_k_ratio,
+                            params.dq_done_count);
+    }
+    __syncthreads();
+  } else {
+    pdl_wait_prior_grids();
+  }
 
   CUTE_UNROLL
   for (int g = 0; g < L::kPasses; g += L::kGroup) {
@@ -130,8 +146,9 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
         int src_row = row, src_col = col;
         if constexpr (kPermuted) { DqAccumPerm<kHeadDim>::map(row, col, src_row, src_col); }
         float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + int64_t(src_row) * b.dq_accum_row_stride + src_col);
-        *reinterpret_cast<float4*>(&acc[j][0]) = src[0];
-        *reinterpret_cast<float4*>(&acc[j][4]) = src[1];
+        // From L2: under the counted start these rows were completed by other SMs' reductions.
+        *reinterpret_cast<float4*>(&acc[j][0]) = __ldcg(src);
+        *reinterpret_cast<float4*>(&acc[j][4]) = __ldcg(src + 1);
       }
     }
     CUTE_UNROLL
@@ -149,6 +166,11 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
       }
     }
   }
+  // Counted start: the grid's last CTA also waits for the whole main kernel (dK, dV), so that what runs
+  // after the postprocess on the stream sees the main kernel's writes.
+  if (counted && blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1) {
+    pdl_wait_prior_grids();
+  }
 }
 
 // Host: the launches every backward family brackets its main kernel with.
@@ -157,18 +179,26 @@ inline dim3 bwd_postprocess_grid(FtFwdParams const& p) {
 }
 
 // The dq accumulator cleared whole (its extent follows from FtBwdParams' layout: padded, batch x the batch
-// stride; varlen, heads x the head stride), then the preprocess. The memset runs at copy bandwidth
-// (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured the same as clearing
-// the block's rows inside the preprocess, with simpler code (no 8-row groups of permuted rows).
+// stride; varlen, heads x the head stride) with the dq_done counters, then the preprocess. The memset
+// runs at copy bandwidth (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured
+// the same as clearing the block's rows inside the preprocess, with simpler code (no 8-row groups of
+// permuted rows).
 template <class Element, int kHeadDimV>
 LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
   int64_t const elems = p.cu_seqlens_q != nullptr ? int64_t(p.num_heads) * b.dq_accum_head_stride
                                                   : int64_t(p.batch) * b.dq_accum_batch_stride;
-  if (LaunchStatus s = LaunchStatus::cuda(cudaMemsetAsync(b.dq_accum, 0, elems * sizeof(float), stream), "dq accumulator clear");
-      !s.ok()) {
+  size_t const done_bytes = b.dq_done != nullptr ? size_t(p.batch) * p.num_heads_k * sizeof(int32_t) : 0;
+  bool const adjacent = reinterpret_cast<void const*>(b.dq_done) == reinterpret_cast<void const*>(b.dq_accum + elems);
+  size_t const bytes = elems * sizeof(float) + (adjacent ? done_bytes : 0);
+  if (LaunchStatus s = LaunchStatus::cuda(cudaMemsetAsync(b.dq_accum, 0, bytes, stream), "dq accumulator clear"); !s.ok()) {
     return s;
+  }
+  if (done_bytes > 0 && !adjacent) {
+    if (LaunchStatus s = LaunchStatus::cuda(cudaMemsetAsync(b.dq_done, 0, done_bytes, stream), "dq_done clear"); !s.ok()) {
+      return s;
+    }
   }
   int const row_blocks = (p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock;
   dim3 const grid(p.num_heads, row_blocks < 65535 ? row_blocks : 65535, p.batch);
@@ -176,9 +206,17 @@ LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream)
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_preprocess_kernel launch");
 }
 
+// dependent: launched to start while the main kernel finishes (it has called pdl_launch_dependents);
+// each CTA then waits for its head's dq_done count, or for the whole main kernel when none is kept.
 template <class Element, int kHeadDim, bool kPermuted>
-LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream) {
-  bwd_postprocess_kernel<Element, kHeadDim, kPermuted><<<bwd_postprocess_grid(params.fwd.abi), kPrePostThreads, 0, stream>>>(params);
+LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream, bool dependent = false) {
+  auto kernel = bwd_postprocess_kernel<Element, kHeadDim, kPermuted>;
+  dim3 const grid = bwd_postprocess_grid(params.fwd.abi);
+  if (dependent) {
+    return LaunchStatus::cuda(launch_dependent(kernel, grid, dim3(kPrePostThreads), 0, stream, params),
+                              "bwd_postprocess_kernel launch");
+  }
+  kernel<<<grid, kPrePostThreads, 0, stream>>>(params);
   return LaunchStatus::cuda(cudaGetLastError(), "bwd_postprocess_kernel launch");
 }
 

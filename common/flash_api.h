@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 5
+#define FT_ABI_VERSION 6
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -100,6 +100,11 @@ typedef struct FtFwdParams {
 //   lse_log2:     lse's layout; written by the preprocess (lse * log2(e); +inf for rows without keys)
 //   dq_semaphore: deterministic mode only (else NULL): int32, batch * num_heads *
 //                 ceil(seqlen_q / FT_BWD_SEMAPHORE_ROWS) elements, zeroed by the caller
+//   dq_done:      optional (NULL: the dq postprocess starts after the main kernel has finished): int32,
+//                 batch * num_heads_k elements, cleared by the backward (with the accumulator in one
+//                 memset when it starts right after dq_accum's extent). The Hopper main kernel counts
+//                 there the CTAs whose dQ adds have landed, so that the postprocess of a head can run
+//                 while the main kernel's last CTAs still run.
 // Rows of dq/dk/dv outside every sequence (varlen gaps, rows past seqused_k) are not written: a caller
 // that needs them defined zero-fills those tensors.
 #define FT_BWD_SEMAPHORE_ROWS 32
@@ -116,6 +121,7 @@ typedef struct FtBwdParams {
   float* dsoftmax_sum;
   float* lse_log2;
   int32_t* dq_semaphore;
+  int32_t* dq_done;
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;

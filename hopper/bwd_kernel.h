@@ -12,7 +12,9 @@
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
-//                        both parts of a step behind the step's one semaphore turn. Idle under kdQRed.
+//                        both parts of a step behind the step's one semaphore turn. After the walk,
+//                        once its adds have landed, counts the CTA into dq_done (the postprocess of a
+//                        head starts at its full count). Idle under kdQRed.
 //   warpgroups 1, 2      consumers: S and dP (transposed under kSwapSdP, see hopper/bwd_traits.h);
 //                        P = exp2(S * scale_log2 - lse_log2) from the forward's LSE, dS = P * (dP - D)
 //                        (times the tanh derivative under softcap); dV += P^T dO, dK += dS^T Q
@@ -47,6 +49,7 @@
 #include "common/dq_accum_perm.h"
 #include "common/epilogue.h"
 #include "common/fragment.h"
+#include "common/grid_dependency.h"
 #include "common/mask.h"
 #include "common/seq_info.h"
 #include "common/special_regs.h"
@@ -115,7 +118,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const n_block = b.deterministic ? int(gridDim.x) - 1 - cta.block : cta.block;
   int const bidh_k = cta.bidh, bidb = cta.bidb;
   SeqInfo const seq(p, bidb);
-  if (n_block * kBlockN >= seq.seqlen_k) { return; }  // uniform over the CTA, before any barrier
+  // The postprocess may launch once every CTA of this grid runs; it waits for dq_done (below) or for
+  // the grid. This grid in turn waits for the preprocess before reading D and the LSE.
+  pdl_launch_dependents();
+  // Counts this CTA into its (batch, KV head)'s dq_done once its dQ adds have landed: the caller has
+  // waited for its bulk reductions to complete (which makes them visible to it), the proxy fence orders
+  // those async-proxy writes before its generic ones, and the release publishes them to the
+  // postprocess's acquire. A release reduction, not __threadfence + atomicAdd: the SC fence cost 5% at
+  // d 64 causal 512 (one per CTA), the release 2%.
+  auto count_dq_done = [&]() {
+    if (params.dq_done_count > 0) {
+      int* counter = b.dq_done + int64_t(bidb) * p.num_heads_k + bidh_k;
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+    }
+  };
+  if (n_block * kBlockN >= seq.seqlen_k) {  // uniform over the CTA, before any barrier
+    if (threadIdx.x == 0) { count_dq_done(); }
+    return;
+  }
   int m_block_min, m_block_max;
   q_block_range<kIsBand>(p, seq, n_block, kBlockM, kBlockN, m_block_min, m_block_max);
   int const num_m_blocks = max(0, m_block_max - m_block_min);
@@ -170,7 +191,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (num_steps == 0) { return; }
+    if (num_steps == 0) {
+      if (warp_idx == 1 && lane == 0) { count_dq_done(); }
+      return;
+    }
     if (warp_idx == 0) {
       // -------------------------------------------------------------- producer
       Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
@@ -223,6 +247,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       };
       // Packed batches: each sequence's accumulator rows start FT_BWD_ACCUM_ROW_PAD rows further on.
       int64_t const acc_row0 = varlen_q ? seq.q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb : 0;
+      pdl_wait_prior_grids();
       BwdStep st(bidh_k, group, m_block_min);
       for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
         Tensor gdQ = local_tile(domain_offset(make_coord(acc_row0, _0{}), mdQ(_, _, st.bidh, varlen_q ? 0 : bidb)),
@@ -262,13 +287,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           atomicAdd(semaphore, 1);
         }
       }
-      if (lane == 0) { bulk_wait_all_complete(); }
+      if (lane == 0) {
+        bulk_wait_all_complete();
+        count_dq_done();
+      }
     }
     return;
   }
 
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  pdl_wait_prior_grids();  // D and the LSE come from the preprocess
   constexpr bool kSwap = Traits::kSwapSdP;
   int const thread_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaSdP mma_sdp;

@@ -1,13 +1,15 @@
 // Host launcher of the Hopper backward: preprocess (D, LSE in exp2 domain, dq accumulator cleared),
 // the main kernel (grid: KV blocks x KV heads x batch; TMA descriptors for Q, dO, K, V and the
-// reduce-add into the fp32 dq accumulator) and the dq postprocess, all on one stream. Host only;
-// instantiated once per manifest entry.
+// reduce-add into the fp32 dq accumulator) and the dq postprocess, all on one stream; the main kernel
+// and the postprocess are launched to overlap the tail of the kernel before them (common/bwd_prepost.h).
+// Host only; instantiated once per manifest entry.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "common/block_order.h"
 #include "common/bwd_prepost.h"
+#include "common/grid_dependency.h"
 #include "common/launch_status.h"
 #include "common/tile_policy.h"
 #include "hopper/bwd_kernel.h"
@@ -60,10 +62,16 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kp.bwd.pairs_per_section = bwd_pairs_per_section<Element, kHeadDim, kHeadDimV>(params, kIsBand, grid, 2048);
-  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
-  if (LaunchStatus s = LaunchStatus::cuda(cudaGetLastError(), "hopper bwd_kernel launch"); !s.ok()) { return s; }
+  // The dQ writer counts its CTA into dq_done once its adds have landed (not under kdQRed, where the
+  // consumers add from registers); a (batch, KV head) is done at grid.x counts.
+  kp.bwd.dq_done_count = !Traits::kdQRed && b.dq_done != nullptr ? int(grid.x) : 0;
+  if (LaunchStatus s = LaunchStatus::cuda(launch_dependent(kernel, grid, dim3(Traits::kNThreads), kSmem, stream, kp),
+                                          "hopper bwd_kernel launch");
+      !s.ok()) {
+    return s;
+  }
   // The accumulator is in DqAccumPerm order when the kernel adds into it from registers, else row-major.
-  return launch_bwd_postprocess<Element, kHeadDim, Traits::kdQRed>(params, stream);
+  return launch_bwd_postprocess<Element, kHeadDim, Traits::kdQRed>(kp.bwd, stream, /*dependent=*/true);
 }
 
 }  // namespace flashtile::hopper

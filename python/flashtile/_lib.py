@@ -11,7 +11,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 5  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 6  # must equal FT_ABI_VERSION in common/flash_api.h
 BWD_SEMAPHORE_ROWS = 32  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
 
@@ -59,7 +59,7 @@ class FtBwdParams(ctypes.Structure):
         ("dout", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
         ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
         ("dq_accum", ctypes.c_void_p), ("dsoftmax_sum", ctypes.c_void_p), ("lse_log2", ctypes.c_void_p),
-        ("dq_semaphore", ctypes.c_void_p),
+        ("dq_semaphore", ctypes.c_void_p), ("dq_done", ctypes.c_void_p),
         ("do_batch_stride", ctypes.c_int64), ("do_row_stride", ctypes.c_int64), ("do_head_stride", ctypes.c_int64),
         ("dq_batch_stride", ctypes.c_int64), ("dq_row_stride", ctypes.c_int64), ("dq_head_stride", ctypes.c_int64),
         ("dk_batch_stride", ctypes.c_int64), ("dk_row_stride", ctypes.c_int64), ("dk_head_stride", ctypes.c_int64),

@@ -196,20 +196,31 @@ def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
     return make(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _dq_accum(q: torch.Tensor, batch: int, varlen: bool) -> torch.Tensor:
-    """The fp32 dq accumulator (FtBwdParams.dq_accum), head-major so that each head's rows are
-    contiguous: (batch, heads, rows, d) or, packed, (heads, rows, d), with the head dim rounded up to
-    its bucket and rows padded by FT_BWD_ACCUM_ROW_PAD (per batch element when packed)."""
+# Pass the dq_done counters to the backward (False: NULL, the C ABI's other case, where the dq
+# postprocess waits for the whole main kernel; the tests compare the two).
+_COUNT_DQ_DONE = True
+
+
+def _dq_workspace(q: torch.Tensor, batch: int, varlen: bool, num_heads_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 dq accumulator (FtBwdParams.dq_accum) and the dq_done counters right after it in the
+    same allocation (so that the backward clears both with one memset).
+    The accumulator is head-major so that each head's rows are contiguous: (batch, heads, rows, d) or,
+    packed, (heads, rows, d), with the head dim rounded up to its bucket and rows padded by
+    FT_BWD_ACCUM_ROW_PAD (per batch element when packed). The counters: batch * num_heads_k int32."""
     pad = _lib.BWD_ACCUM_ROW_PAD
     d = head_dim_bucket(q.shape[-1])
     if varlen:
-        return torch.empty(q.shape[1], q.shape[0] + pad * batch, d, dtype=torch.float32, device=q.device)
-    b, sq, h = q.shape[:3]
-    return torch.empty(b, h, -(-sq // pad) * pad, d, dtype=torch.float32, device=q.device)
+        shape = (q.shape[1], q.shape[0] + pad * batch, d)
+    else:
+        b, sq, h = q.shape[:3]
+        shape = (b, h, -(-sq // pad) * pad, d)
+    numel = shape[0] * shape[1] * shape[2] * (shape[3] if len(shape) == 4 else 1)
+    flat = torch.empty(numel + batch * num_heads_k, dtype=torch.float32, device=q.device)
+    return flat[:numel].view(shape), flat[numel:].view(torch.int32)
 
 
 def _dq_accum_strides(acc: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, row, head) element strides of a _dq_accum tensor (batch stride 0 when packed)."""
+    """(batch, row, head) element strides of a _dq_workspace accumulator (batch stride 0 when packed)."""
     if varlen:
         return 0, acc.stride(1), acc.stride(0)
     return acc.stride(0), acc.stride(2), acc.stride(1)
@@ -232,7 +243,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     if dlse is not None and (dlse.stride() != lse.stride() or dlse.data_ptr() % 16 != 0):
         dlse = torch.empty_like(lse).copy_(dlse)  # dlse has no strides of its own in the ABI: lse's layout
     # Workspaces (fp32, through torch's allocator; the backward clears dq_accum and writes the others).
-    dq_accum = _dq_accum(q, batch, varlen_q)
+    dq_accum, dq_done = _dq_workspace(q, batch, varlen_q, k.shape[-2])
     dsoftmax_sum = torch.empty_like(lse)
     lse_log2 = torch.empty_like(lse)
     dq_semaphore = None
@@ -246,7 +257,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     p.dout, p.dlse = dout.data_ptr(), _ptr(dlse)
     p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     p.dq_accum, p.dsoftmax_sum, p.lse_log2 = dq_accum.data_ptr(), dsoftmax_sum.data_ptr(), lse_log2.data_ptr()
-    p.dq_semaphore = _ptr(dq_semaphore)
+    p.dq_semaphore, p.dq_done = _ptr(dq_semaphore), dq_done.data_ptr() if _COUNT_DQ_DONE else None
     p.do_batch_stride, p.do_row_stride, p.do_head_stride = _strides(dout, varlen_q)
     p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride = _strides(dq, varlen_q)
     p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride = _strides(dk, varlen_k)

@@ -204,6 +204,7 @@ def test_bwd_params_padded(lib, deterministic):
     ws = [p.dq_accum, p.dsoftmax_sum, p.lse_log2]
     assert len(set(ws)) == 3 and all(a % 16 == 0 for a in ws)
     assert _fields(p, "dq_accum") == (6 * 128 * 128, 128, 128 * 128)
+    assert p.dq_done == p.dq_accum + 2 * 6 * 128 * 128 * 4  # batch * heads * rows * d floats, then the counters
     if deterministic:
         assert p.deterministic == 1 and p.dq_semaphore
         assert seen["semaphore"] == [0] * (2 * 6 * 3)  # batch * heads * ceil(70 / 32), zeroed
@@ -341,5 +342,10 @@ def test_bwd_failure_raises_kernel_error(lib, rc):
 ])
 def test_dq_accum_is_padded_to_whole_tiles(shape, varlen, batch, expected):
     from flashtile import ops
-    acc = ops._dq_accum(torch.empty(shape, dtype=torch.bfloat16), batch, varlen)
+    acc, done = ops._dq_workspace(torch.empty(shape, dtype=torch.bfloat16), batch, varlen, 3)
     assert tuple(acc.shape) == expected and acc.dtype == torch.float32 and acc.is_contiguous()
+    # The dq_done counters (batch * KV heads, int32) start right after the accumulator's extent, in the
+    # same allocation, so that the launcher's one memset clears both.
+    assert done.dtype == torch.int32 and tuple(done.shape) == (batch * 3,)
+    assert done.data_ptr() == acc.data_ptr() + acc.numel() * 4
+    assert done.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()

@@ -16,7 +16,7 @@ varlen with empty sequences and rows outside every sequence (checked per sequenc
 reference), head dims inside a bucket, seqused_q/k and KV caches, strided and qkv-packed inputs, the LSE's own gradient (dlse),
 the band masks' longest-first launch order over (head, batch) sections,
 empty problems, each kernel family forced (path="ampere" / "hopper"), a missing backward, deterministic
-mode (bitwise identical repeats), CUDA-graph capture, a finite-difference check against float64, and a
+mode (bitwise identical repeats), the dq postprocess started per head against the serial one, CUDA-graph capture, a finite-difference check against float64, and a
 short training run tracking PyTorch SDPA.
 """
 import math
@@ -575,6 +575,44 @@ def test_bwd_deterministic_varlen(seed):
     for i in range(20):
         grads = torch.autograd.grad(out, xs, dout, retain_graph=True)
         assert all(torch.equal(g, f) for g, f in zip(grads, first)), f"repeat {i} differs"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+def test_bwd_dq_done_overlap(hdim, causal, monkeypatch, seed):
+    """The dq postprocess of a (batch, KV head) starts once that head's main-kernel CTAs have counted
+    their landed adds into dq_done, while later heads still run; with no counters passed (the C ABI's
+    dq_done = NULL) it waits for the whole main kernel. On grids of several waves (GQA 4:1, padded and
+    packed with empty sequences) both give bitwise the same gradients in deterministic mode, and the
+    default mode matches them to accumulation-order rounding."""
+    from flashtile import ops
+    d, dv = hdim
+    name = "bf16" if find_kernels(op="bwd", dtype="bf16", head_dim=d, head_dim_v=dv, band=causal, softcap=False) \
+        else "fp16"
+    require_built(name, d, dv, band=causal)
+    q, k, v = random_qkv(4, 2048, 2048, 32, 8, d, dv, dtype=DTYPES[name], device="cuda", seed=seed)
+    lens = [3000, 0, 1, 2047, 1900]
+    cu = generate_cu_seqlens(lens, "cuda")
+    packed = [t.reshape(-1, *t.shape[2:])[:sum(lens)] for t in (q, k, v)]
+
+    def grads(deterministic, varlen):
+        xs = [t.detach().clone().requires_grad_(True) for t in (packed if varlen else (q, k, v))]
+        if varlen:
+            out = flash_attn_varlen_func(*xs, cu, cu, max(lens), max(lens), causal=causal, deterministic=deterministic)
+        else:
+            out = flash_attn_func(*xs, causal=causal, deterministic=deterministic)
+        return torch.autograd.grad(out, xs, randn_like(out, seed + 1))
+
+    for varlen in (False, True):
+        counted = grads(True, varlen)
+        monkeypatch.setattr(ops, "_COUNT_DQ_DONE", False)
+        after_main = grads(True, varlen)
+        monkeypatch.setattr(ops, "_COUNT_DQ_DONE", True)
+        for n, g, f in zip("qkv", counted, after_main):
+            assert torch.equal(g, f), f"varlen={varlen}: d{n} with dq_done counted differs from the serial postprocess"
+        for n, g, f in zip("qkv", grads(False, varlen), counted):
+            torch.testing.assert_close(g.float(), f.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"d{n}: {m}")
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------------

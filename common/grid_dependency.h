@@ -1,0 +1,56 @@
+// Programmatic dependent launch (sm_90+) and the acquire/release counters that let a dependent kernel
+// start on the parts of its input that are already done.
+//
+// A kernel launched with launch_dependent() may begin once every CTA of the kernel before it on the
+// stream has called pdl_launch_dependents() (or exited); until then the two run in stream order. Its
+// threads call pdl_wait_prior_grids() before touching anything that kernel writes: it returns once that
+// kernel has completed and its writes are visible. Below sm_90, and in a kernel not launched that way,
+// both instructions do nothing.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cute/config.hpp>
+
+namespace flashtile {
+
+CUTE_DEVICE void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+CUTE_DEVICE void pdl_wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+CUTE_DEVICE int load_acquire_gpu(int const* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Spins (one thread) until *counter reaches `target`.
+CUTE_DEVICE void wait_counter_at_least(int const* counter, int target) {
+  while (load_acquire_gpu(counter) < target) { __nanosleep(256); }
+}
+
+// Host: launches `kernel` so that it may start while the kernel before it on `stream` finishes.
+template <class... KernelArgs, class... Args>
+cudaError_t launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args const&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace flashtile
