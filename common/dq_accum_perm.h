@@ -7,6 +7,8 @@
 #include <cute/config.hpp>
 #include <cute/tensor.hpp>
 
+#include "common/grid_dependency.h"
+
 namespace flashtile {
 
 // Storage order of the fp32 dq accumulator that makes an mma.sync accumulator fragment's atomics
@@ -31,10 +33,13 @@ struct DqAccumPerm {
 };
 
 // Deterministic mode, one thread: waits until the query block's semaphore counts `expected` earlier
-// adds, then orders this CTA's adds after theirs.
+// adds (acquire: its own adds, and those of the threads it then releases through a barrier, come after
+// theirs; on sm_90 also the bulk reductions it issues, through the proxy fence).
 CUTE_DEVICE void wait_dq_semaphore(int const* semaphore, int expected) {
-  while (*reinterpret_cast<int const volatile*>(semaphore) != expected) {}
-  __threadfence();
+  while (load_acquire_gpu(semaphore) != expected) {}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
 }
 
 // Fire-and-forget fp32 add to global memory (red.global.add: no value comes back, unlike the ATOM

@@ -31,6 +31,17 @@ CUTE_DEVICE int load_acquire_gpu(int const* ptr) {
   return v;
 }
 
+// One thread, after its bulk reductions completed (cp.async.bulk.wait_group 0, which makes them visible
+// to it): orders those async-proxy writes before its generic ones, then adds 1 to *counter with release
+// semantics, so that whoever acquires the count sees them. A release reduction, not __threadfence +
+// atomicAdd: the SC fence costs about twice as much (H100).
+CUTE_DEVICE void release_bulk_adds(int* counter) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // Spins (one thread) until *counter reaches `target`.
 CUTE_DEVICE void wait_counter_at_least(int const* counter, int target) {
   while (load_acquire_gpu(counter) < target) { __nanosleep(256); }

@@ -121,17 +121,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The postprocess may launch once every CTA of this grid runs; it waits for dq_done (below) or for
   // the grid. This grid in turn waits for the preprocess before reading D and the LSE.
   pdl_launch_dependents();
-  // Counts this CTA into its (batch, KV head)'s dq_done once its dQ adds have landed: the caller has
-  // waited for its bulk reductions to complete (which makes them visible to it), the proxy fence orders
-  // those async-proxy writes before its generic ones, and the release publishes them to the
-  // postprocess's acquire. A release reduction, not __threadfence + atomicAdd: the SC fence cost 5% at
-  // d 64 causal 512 (one per CTA), the release 2%.
+  // Counts this CTA into its (batch, KV head)'s dq_done once its dQ adds have landed (the caller has
+  // waited for its bulk reductions to complete). Per CTA, the SC fence of __threadfence + atomicAdd
+  // cost 5% at d 64 causal 512, the release 2%.
   auto count_dq_done = [&]() {
-    if (params.dq_done_count > 0) {
-      int* counter = b.dq_done + int64_t(bidb) * p.num_heads_k + bidh_k;
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-    }
+    if (params.dq_done_count > 0) { release_bulk_adds(b.dq_done + int64_t(bidb) * p.num_heads_k + bidh_k); }
   };
   if (n_block * kBlockN >= seq.seqlen_k) {  // uniform over the CTA, before any barrier
     if (threadIdx.x == 0) { count_dq_done(); }
@@ -283,8 +277,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         if (lane == 0 && b.deterministic) {
           bulk_wait_all_complete();  // the adds have landed before the next KV block's turn
-          __threadfence();
-          atomicAdd(semaphore, 1);
+          release_bulk_adds(semaphore);
         }
       }
       if (lane == 0) {
