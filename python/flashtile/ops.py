@@ -10,6 +10,7 @@ autograd registration calls `flashtile::bwd`. Arguments arrive validated (interf
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Optional
 
 import torch
@@ -214,7 +215,7 @@ def _dq_workspace(q: torch.Tensor, batch: int, varlen: bool, num_heads_k: int) -
     else:
         b, sq, h = q.shape[:3]
         shape = (b, h, -(-sq // pad) * pad, d)
-    numel = shape[0] * shape[1] * shape[2] * (shape[3] if len(shape) == 4 else 1)
+    numel = math.prod(shape)
     flat = torch.empty(numel + batch * num_heads_k, dtype=torch.float32, device=q.device)
     return flat[:numel].view(shape), flat[numel:].view(torch.int32)
 
