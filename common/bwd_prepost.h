@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
   int const col = (threadIdx.x % L::kThreadsPerRow) * kVec;
   int const sub_row = threadIdx.x / L::kThreadsPerRow;
   bool const col_in = col < p.head_dim;
-  bool const counted = b.dq_done != nullptr && params.dq_done_count > 0;
+  bool const counted = params.dq_done_count > 0;  // set only with b.dq_done
   if (counted) {
     if (threadIdx.x == 0) {
       wait_counter_at_least(b.dq_done + int64_t(bidb) * p.num_heads_k + bidh / params.fwd.h_h_k_ratio,
