@@ -6,6 +6,7 @@
 #pragma once
 
 #include <climits>
+#include <cstdint>
 
 #include <cute/tensor.hpp>
 
@@ -34,18 +35,77 @@ struct BandMask {
     return false;
   }
 
+  // Whether a thread's fragment is a WGMMA accumulator, ((2 cols, 2 rows, N/8), MMA_M, MMA_N), whose
+  // column offsets c are all 8 j + e with e in {0, 1}: then "c < limit" is "k < paired_limit(limit)"
+  // for the element's rank k = 2 j + e among the thread's columns (c = 0, 1, 8, 9, ... -> k = 0, 1,
+  // 2, 3, ...).
+  template <class Layout, int kC>
+  static constexpr bool columns_paired() {
+    if constexpr (cute::rank(Layout{}) != 3 || cute::rank(cute::get<0>(Layout{})) != 3) {
+      return false;
+    } else {
+      Layout const layout{};
+      for (int i = 0; i < int(cute::size(layout)); ++i) {
+        if (int(cute::get<kC>(layout(i))) % 8 >= 2) { return false; }
+      }
+      return int(cute::size<0, 0>(layout)) == 2 && int(cute::size<0, 1>(layout)) == 2 &&
+             int(cute::size<1>(layout)) == 1;
+    }
+  }
+
+  CUTE_DEVICE static int paired_limit(int limit) { return (limit >> 3) * 2 + min(limit & 7, 2); }
+
+  // Bits [0, n) set, n clamped to [0, 32] (shl.b32 gives 0 for shifts of 32 or more).
+  CUTE_DEVICE static uint32_t low_bits(int n) {
+    uint32_t one_shl;
+    asm("shl.b32 %0, 1, %1;" : "=r"(one_shl) : "r"(max(n, 0)));
+    return one_shl - 1u;
+  }
+
+  // Elements whose rank k (above) is at or past their row's paired limit become -inf. Each row's
+  // ranks are tested in order as the bits of one mask per 24 of them, which ptxas turns into R2P
+  // (up to seven predicates per instruction) rather than a compare per element.
+  template <int kC, class EngineS, class LayoutS, class LayoutC, class RowLimit>
+  CUTE_DEVICE static void mask_paired_columns(cute::Tensor<EngineS, LayoutS>& tSrS, LayoutC const& layout,
+                                              RowLimit const& row_limit) {
+    constexpr int kJ = cute::size<0, 2>(LayoutC{}), kN = cute::size<2>(LayoutC{});
+    constexpr int kR = 1 - kC;
+    CUTE_UNROLL
+    for (int rh = 0; rh < 2; ++rh) {
+      int const limit = paired_limit(row_limit(int(cute::get<kR>(layout(2 * rh)))));
+      CUTE_UNROLL
+      for (int n = 0; n < kN; ++n) {
+        CUTE_UNROLL
+        for (int j = 0; j < kJ; ++j) {
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            int const i = e + 2 * (rh + 2 * (j + kJ * n));
+            int const c = cute::get<kC>(layout(i));
+            int const k = (c >> 3) * 2 + (c & 1);
+            uint32_t const bits = low_bits(limit - (k / 24) * 24);
+            if (!(bits & (1u << (k % 24)))) { tSrS(i) = -INFINITY; }
+          }
+        }
+      }
+    }
+  }
+
   // kTransposed: the tile is S^T, so tScS(i) is (key, query) rather than (query, key).
   // Register-lean form: with the thread's base coordinate in registers and each element's offset
   // (r, c) a compile-time constant, an element is masked iff c >= min(col_end, hi + r + 1) (right
   // edge: sequence end and window_right) or c - r < lo (window_left). The limit depends on r only,
-  // so a thread computes one per distinct row and spends a compare and a select per element.
-  template <bool kIsBand, bool kTransposed = false, class EngineS, class LayoutS, class EngineC, class LayoutC>
+  // so a thread computes one per distinct row and spends a compare and a select per element. Band
+  // masks without a left edge on a WGMMA accumulator (columns_paired) go through mask_paired_columns
+  // instead, unless the caller passes kPairedOk = false; the sequence-end mask alone (non-band
+  // kernels, one block per row at most) keeps the compare.
+  template <bool kIsBand, bool kTransposed = false, bool kPairedOk = true, class EngineS, class LayoutS, class EngineC, class LayoutC>
   CUTE_DEVICE void apply(cute::Tensor<EngineS, LayoutS>& tSrS, cute::Tensor<EngineC, LayoutC> const& tScS,
                          int row0, int col0) const {
     constexpr int kR = kTransposed ? 1 : 0, kC = kTransposed ? 0 : 1;
     auto const base = *tScS.data();
     int const col_t = col0 + cute::get<kC>(base);
     int const col_end = seqlen_k - col_t;  // masked: c >= col_end
+    constexpr bool kPaired = kPairedOk && !kTransposed && columns_paired<LayoutC, kC>();
     if constexpr (!kIsBand) {
       CUTE_UNROLL
       for (int i = 0; i < cute::size(tSrS); ++i) {
@@ -55,6 +115,12 @@ struct BandMask {
       // col - row - (seqlen_k - seqlen_q) = diag + (c - r) for the element at offset (r, c).
       int const diag = col_t - (row0 + cute::get<kR>(base)) - (seqlen_k - seqlen_q);
       int const hi = window_right >= 0 ? window_right - diag : kUnbounded;  // masked: c - r > hi
+      if constexpr (kPaired) {
+        if (window_left < 0) {
+          mask_paired_columns<kC>(tSrS, tScS.layout(), [&](int r) { return min(col_end, hi + r + 1); });
+          return;
+        }
+      }
       if (window_left < 0) {
         CUTE_UNROLL
         for (int i = 0; i < cute::size(tSrS); ++i) {

@@ -64,7 +64,7 @@ CUTE_DEVICE void prepare_scores(TensorS& tSrS, TensorC const& tScS, BandMask con
   }
   if (mask.pack == 1) {
     if (mask.block_needs_mask(kIsBand, m_block, n_block, Traits::kBlockM, Traits::kBlockN)) {
-      mask.template apply<kIsBand>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
+      mask.template apply<kIsBand, false, Traits::kPairedMask>(tSrS, tScS, m_block * Traits::kBlockM, n_block * Traits::kBlockN);
     }
   } else if (mask.pack * mask.q_per_tile < Traits::kBlockM ||
              mask.block_needs_mask(kIsBand, m_block, n_block, mask.q_per_tile, Traits::kBlockN)) {

@@ -55,6 +55,7 @@ struct FwdTraits {
   static constexpr bool kLazyRescale = kTile.lazy_rescale;
   static constexpr int kExpFmaPer16 = kTile.exp_fma_per16;
   static constexpr int kClusterM = kTile.cluster_m;
+  static constexpr bool kPairedMask = kTile.paired_mask;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;
