@@ -128,8 +128,8 @@ struct HopperFwdTile {
   // stage, the producer loads a tile's Q only once the store of the tile that many tiles back has read
   // its stage out, which bounds how far its loads run ahead of the consumers on short tiles.
   int q_stages = 2;
-  // Band / sequence-end masks tested as bits of one mask per row (common/mask.h, R2P) rather than a
-  // compare per score.
+  // Band masks without a left window edge tested as bits of one mask per row (common/mask.h, R2P)
+  // rather than a compare per score (non-band kernels' sequence-end masks keep the compare).
   bool paired_mask = true;
 };
 
@@ -213,8 +213,8 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
     t.consumer_regs = 160;
   }
   if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
-  // Paired masks measured +2-3% at d = 64 causal 512-2k on an H100 and -3% at d = 256 causal 4k
-  // (block_n 80; neutral at its other lengths), so d = 256 keeps a compare per score.
+  // Paired masks measured +2-3% at d = 64 causal 512-2k on an H100, neutral at d = 128, and -3% at
+  // d = 256 causal 4k (block_n 80; neutral at its other lengths), so d = 256 keeps a compare per score.
   t.paired_mask = FLASHTILE_PAIRED_MASK >= 0 ? FLASHTILE_PAIRED_MASK == 1 : d <= 128;
   return t;
 }
