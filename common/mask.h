@@ -35,18 +35,18 @@ struct BandMask {
     return false;
   }
 
-  // Whether a thread's fragment is a WGMMA accumulator, ((2 cols, 2 rows, N/8), MMA_M, MMA_N), whose
-  // column offsets c are all 8 j + e with e in {0, 1}: then "c < limit" is "k < paired_limit(limit)"
-  // for the element's rank k = 2 j + e among the thread's columns (c = 0, 1, 8, 9, ... -> k = 0, 1,
-  // 2, 3, ...).
-  template <class Layout, int kC>
+  // Whether a thread's fragment is a WGMMA accumulator, ((2 cols, 2 rows, N/8), MMA_M = 1, MMA_N),
+  // whose column offsets c (mode 1 of the identity tensor) are all 8 j + e with e in {0, 1}: then
+  // "c < limit" is "k < paired_limit(limit)" for the element's rank k = 2 j + e among the thread's
+  // columns (c = 0, 1, 8, 9, ... -> k = 0, 1, 2, 3, ...).
+  template <class Layout>
   static constexpr bool columns_paired() {
     if constexpr (cute::rank(Layout{}) != 3 || cute::rank(cute::get<0>(Layout{})) != 3) {
       return false;
     } else {
       Layout const layout{};
       for (int i = 0; i < int(cute::size(layout)); ++i) {
-        if (int(cute::get<kC>(layout(i))) % 8 >= 2) { return false; }
+        if (int(cute::get<1>(layout(i))) % 8 >= 2) { return false; }
       }
       return int(cute::size<0, 0>(layout)) == 2 && int(cute::size<0, 1>(layout)) == 2 &&
              int(cute::size<1>(layout)) == 1;
@@ -62,17 +62,18 @@ struct BandMask {
     return one_shl - 1u;
   }
 
-  // Elements whose rank k (above) is at or past their row's paired limit become -inf. Each row's
-  // ranks are tested in order as the bits of one mask per 24 of them, which ptxas turns into R2P
-  // (up to seven predicates per instruction) rather than a compare per element.
-  template <int kC, class EngineS, class LayoutS, class LayoutC, class RowLimit>
+  // apply()'s right edge on a columns_paired fragment: elements of row offset r whose rank is at or
+  // past paired_limit(min(col_end, hi + r + 1)) become -inf. Each row's ranks are tested in order as
+  // the bits of one mask per 24 of them, which ptxas turns into R2P (up to seven predicates per
+  // instruction) rather than a compare per element.
+  template <class EngineS, class LayoutS, class LayoutC>
   CUTE_DEVICE static void mask_paired_columns(cute::Tensor<EngineS, LayoutS>& tSrS, LayoutC const& layout,
-                                              RowLimit const& row_limit) {
+                                              int col_end, int hi) {
     constexpr int kJ = cute::size<0, 2>(LayoutC{}), kN = cute::size<2>(LayoutC{});
-    constexpr int kR = 1 - kC;
     CUTE_UNROLL
     for (int rh = 0; rh < 2; ++rh) {
-      int const limit = paired_limit(row_limit(int(cute::get<kR>(layout(2 * rh)))));
+      int const r = cute::get<0>(layout(2 * rh));
+      int const limit = paired_limit(min(col_end, hi + r + 1));
       CUTE_UNROLL
       for (int n = 0; n < kN; ++n) {
         CUTE_UNROLL
@@ -80,7 +81,7 @@ struct BandMask {
           CUTE_UNROLL
           for (int e = 0; e < 2; ++e) {
             int const i = e + 2 * (rh + 2 * (j + kJ * n));
-            int const c = cute::get<kC>(layout(i));
+            int const c = cute::get<1>(layout(i));
             int const k = (c >> 3) * 2 + (c & 1);
             uint32_t const bits = low_bits(limit - (k / 24) * 24);
             if (!(bits & (1u << (k % 24)))) { tSrS(i) = -INFINITY; }
@@ -105,7 +106,7 @@ struct BandMask {
     auto const base = *tScS.data();
     int const col_t = col0 + cute::get<kC>(base);
     int const col_end = seqlen_k - col_t;  // masked: c >= col_end
-    constexpr bool kPaired = kPairedOk && !kTransposed && columns_paired<LayoutC, kC>();
+    constexpr bool kPaired = kPairedOk && !kTransposed && columns_paired<LayoutC>();
     if constexpr (!kIsBand) {
       CUTE_UNROLL
       for (int i = 0; i < cute::size(tSrS); ++i) {
@@ -117,7 +118,7 @@ struct BandMask {
       int const hi = window_right >= 0 ? window_right - diag : kUnbounded;  // masked: c - r > hi
       if constexpr (kPaired) {
         if (window_left < 0) {
-          mask_paired_columns<kC>(tSrS, tScS.layout(), [&](int r) { return min(col_end, hi + r + 1); });
+          mask_paired_columns(tSrS, tScS.layout(), col_end, hi);
           return;
         }
       }
