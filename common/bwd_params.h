@@ -16,6 +16,8 @@ struct BwdParams {
   // abi.dq_done set: the main kernel's CTAs per (batch, KV head), the count at which that head's dQ
   // adds have all landed (set by the launcher whose main kernel counts them; 0 = not counted).
   int dq_done_count;
+  // 1: deterministic non-band walks start at query block n_block (rotated, common/block_order.h).
+  int dq_rotate;
 };
 
 inline BwdParams make_bwd_params(FtBwdParams const& abi) {

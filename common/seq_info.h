@@ -125,6 +125,12 @@ struct BwdStep {
       ++bidh;
     }
   }
+  // A walk that starts at query block m_first (a rotated walk) moves on to the next query head once it
+  // is back there.
+  CUTE_DEVICE void advance(int m_block_min, int m_block_max, int m_first) {
+    if (++m_block == m_block_max) { m_block = m_block_min; }
+    if (m_block == m_first) { ++bidh; }
+  }
 };
 
 }  // namespace flashtile

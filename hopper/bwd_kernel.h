@@ -113,7 +113,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // grid runs high KV blocks first: under a causal mask KV block n starts at its diagonal, so block
   // n - 1 reaches a query block after n has, and no CTA waits in steady state (ascending order would
   // make block n wait for the walk of all lower blocks). A CTA only ever waits for CTAs launched
-  // before it, which cannot deadlock. Band masks otherwise run longest first (common/block_order.h).
+  // before it, which cannot deadlock. Without a mask, grids whose KV blocks all fit the SMs at once
+  // walk rotated instead (common/block_order.h): query block j takes its adds in the order of the steps
+  // at which the KV blocks reach it. Band masks otherwise run longest first (common/block_order.h).
   BlockCoord const cta = band_block_coord(params.pairs_per_section);
   int const n_block = b.deterministic ? int(gridDim.x) - 1 - cta.block : cta.block;
   int const bidh_k = cta.bidh, bidb = cta.bidb;
@@ -137,15 +139,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const group = params.fwd.h_h_k_ratio;
   int const num_steps = num_m_blocks * group;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
+  // Rotated walks (deterministic mode, common/block_order.h) start at query block n_block, for
+  // sequences with at most one KV block per query block (non-band: m_block_min = 0).
+  int const num_n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+  bool const rotated = !kIsBand && params.dq_rotate && num_n_blocks <= num_m_blocks;
+  int const m_first = rotated ? n_block : m_block_min;
   // Deterministic mode: the semaphore of query block `m_block` of head `bidh`, and the number of KV
   // blocks whose dQ adds precede this CTA's there. One semaphore per query block: block_m >=
   // FT_BWD_SEMAPHORE_ROWS, so the index stays below the sem_blocks allocated.
   auto dq_semaphore = [&](int bidh, int m_block, int& expected) {
-    int n_block_lo, n_block_hi;
-    kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
     static_assert(kBlockM >= FT_BWD_SEMAPHORE_ROWS);
     int const sem_blocks = (p.seqlen_q + FT_BWD_SEMAPHORE_ROWS - 1) / FT_BWD_SEMAPHORE_ROWS;
-    expected = n_block_hi - 1 - n_block;
+    if (rotated) {
+      int const step = m_block - m_first + (m_block < m_first ? num_m_blocks : 0);
+      expected = rotated_dq_turn(n_block, step, num_n_blocks, num_m_blocks);
+    } else {
+      int n_block_lo, n_block_hi;
+      kv_block_range<kIsBand>(p, seq, m_block, kBlockM, kBlockN, n_block_lo, n_block_hi);
+      expected = n_block_hi - 1 - n_block;
+    }
     return b.dq_semaphore + (int64_t(bidb) * p.num_heads + bidh) * sem_blocks + m_block * (kBlockM / FT_BWD_SEMAPHORE_ROWS);
   };
 
@@ -209,8 +221,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       auto write_q = cutlass::make_producer_start_state<PipelineQ>();
       auto write_do = cutlass::make_producer_start_state<PipelinedO>();
-      BwdStep st(bidh_k, group, m_block_min);
-      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
+      BwdStep st(bidh_k, group, m_first);
+      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max, m_first)) {
         int const batch_q = varlen_q ? 0 : bidb;
         Tensor gQ = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, st.bidh, batch_q)),
                                Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
@@ -242,8 +254,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Packed batches: each sequence's accumulator rows start FT_BWD_ACCUM_ROW_PAD rows further on.
       int64_t const acc_row0 = varlen_q ? seq.q_row0 + int64_t(FT_BWD_ACCUM_ROW_PAD) * bidb : 0;
       pdl_wait_prior_grids();
-      BwdStep st(bidh_k, group, m_block_min);
-      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max)) {
+      BwdStep st(bidh_k, group, m_first);
+      for (int step = 0; step < num_steps; ++step, st.advance(m_block_min, m_block_max, m_first)) {
         Tensor gdQ = local_tile(domain_offset(make_coord(acc_row0, _0{}), mdQ(_, _, st.bidh, varlen_q ? 0 : bidb)),
                                 Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(st.m_block, _0{}));
         auto tdQgdQ = [&](int part) {
@@ -406,7 +418,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     dq_end();
   };
   // kdQLag: the step whose dQ is pending (handed off one step after its GEMM).
-  BwdStep prev(bidh_k, group, m_block_min);
+  BwdStep prev(bidh_k, group, m_first);
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
@@ -421,7 +433,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // consumer thread t < 2 * block_m loads LSE (t < block_m) or D of one row, one step ahead.
   bool const stat_thread = thread_idx < 2 * kBlockM;
   auto load_stat = [&](BwdStep const& st) { return row_stat(st, thread_idx % kBlockM, thread_idx < kBlockM); };
-  BwdStep st(bidh_k, group, m_block_min);
+  BwdStep st(bidh_k, group, m_first);
   if (num_steps > 0) {
     if constexpr (kSwap) {
       if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
@@ -435,7 +447,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   for (int step = 0; step < num_steps; ++step) {
     BwdStep const next = [&] {
       BwdStep n = st;
-      n.advance(m_block_min, m_block_max);
+      n.advance(m_block_min, m_block_max, m_first);
       return n;
     }();
     int const m_block = st.m_block;

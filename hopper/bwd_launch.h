@@ -65,6 +65,9 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
   // The dQ writer counts its CTA into dq_done once its adds have landed (not under kdQRed, where the
   // consumers add from registers); a (batch, KV head) is done at grid.x counts.
   kp.bwd.dq_done_count = !Traits::kdQRed && b.dq_done != nullptr ? int(grid.x) : 0;
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
+  kp.bwd.dq_rotate = bwd_dq_rotate(params, kIsBand, grid, attrs.num_sms);
   if (LaunchStatus s = LaunchStatus::cuda(launch_dependent(kernel, grid, dim3(Traits::kNThreads), kSmem, stream, kp),
                                           "hopper bwd_kernel launch");
       !s.ok()) {

@@ -12,7 +12,11 @@ checks what the kernels rely on:
     the lead pairs first, group by group and rank by rank in a group, then the other pairs in sections;
   - the section sizes the launchers compute are powers of two that fit the L2 share (or 1), never
     more than the grid's pairs, and 0 (the plain order) for deterministic mode, unmasked problems and
-    sequences below the floor.
+    sequences below the floor;
+  - rotated backward walks (deterministic mode): the turns that rotated_dq_turn gives the KV blocks
+    reaching one query block are 0 ... N - 1 in the order of their steps, so with every KV block
+    taking one step per round nobody waits; the launcher rotates only unmasked grids in
+    deterministic mode, and only grids that fit the SMs at once.
 """
 import os
 import shutil
@@ -28,8 +32,10 @@ PROGRAM = r"""
 #include <cstdio>
 #include <set>
 #include <tuple>
+#include <vector>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static dim3 blockIdx, gridDim;
+using std::max;
 using std::min;
 #include "common/block_order.h"
 using namespace flashtile;
@@ -97,6 +103,46 @@ static void check_lead(int blocks, int pairs, int lead, int group, int pps) {
   check(int(seen.size()) == blocks * pairs, "lead order not a bijection: %d %d %d %d %d", blocks, pairs, lead, group, pps);
 }
 
+// Rotated walks of num_n <= num_m KV blocks over num_m query blocks: KV block n is at query block
+// (n + s) mod num_m at step s. Per query block the turns must be a permutation of 0 ... num_n - 1
+// increasing with the step, and a round-by-round run (every KV block tries its next step each round,
+// adds taking effect at the round's end) must finish in num_m rounds: nobody waits.
+static void check_rotated(int num_n, int num_m) {
+  std::vector<std::vector<int>> turn_at_step(num_m, std::vector<int>(num_m, -1));
+  for (int n = 0; n < num_n; ++n)
+    for (int s = 0; s < num_m; ++s) {
+      int const j = (n + s) % num_m;
+      int const t = rotated_dq_turn(n, s, num_n, num_m);
+      check(turn_at_step[j][s] == -1, "rotated: two KV blocks at query block %d step %d (%d, %d)", j, s, num_n, num_m);
+      turn_at_step[j][s] = t;
+    }
+  for (int j = 0; j < num_m; ++j) {
+    int next = 0;
+    for (int s = 0; s < num_m; ++s)
+      if (turn_at_step[j][s] >= 0) {
+        check(turn_at_step[j][s] == next, "rotated turn %d, expected %d: query block %d step %d (%d, %d)",
+              turn_at_step[j][s], next, j, s, num_n, num_m);
+        ++next;
+      }
+    check(next == num_n, "rotated: query block %d gets %d adds of %d (%d, %d)", j, next, num_n, num_n, num_m);
+  }
+  std::vector<int> sem(num_m, 0), step(num_n, 0);
+  int rounds = 0;
+  for (bool busy = true; busy && rounds <= 2 * num_m; ++rounds) {
+    std::vector<int> done;
+    busy = false;
+    for (int n = 0; n < num_n; ++n) {
+      if (step[n] == num_m) { continue; }
+      busy = true;
+      int const j = (n + step[n]) % num_m;
+      if (sem[j] == rotated_dq_turn(n, step[n], num_n, num_m)) { done.push_back(n); }
+    }
+    for (int n : done) { ++sem[(n + step[n]) % num_m]; ++step[n]; }
+    if (!busy) { break; }
+  }
+  check(rounds == num_m, "rotated walks of %d KV blocks over %d query blocks take %d rounds", num_n, num_m, rounds);
+}
+
 static BwdParams bwd_params(int seqlen, int heads, int heads_k, int deterministic) {
   FtBwdParams abi{};
   abi.fwd.seqlen_q = abi.fwd.seqlen_k = seqlen;
@@ -138,6 +184,15 @@ int main() {
   // 4k keys, d 128: 4 MB per pair (Q, dO 16-bit, dq fp32) -> 4 pairs in 16 MB; GQA 4:1 -> 1.
   check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 8, 0), true, grid, 2048) == 4, "bwd section size");
   check(bwd_pairs_per_section<E, 128, 128>(bwd_params(4096, 8, 2, 0), true, grid, 2048) == 1, "bwd GQA section size");
+
+  for (int num_m = 1; num_m <= 40; ++num_m)
+    for (int num_n = 1; num_n <= num_m; ++num_n) check_rotated(num_n, num_m);
+  check(rotated_dq_turn(0, 0, 1, 1) == 0, "rotated: a single KV block");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{32, 8, 4}, 132) == 1, "deterministic, unmasked: not rotated");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), true, dim3{32, 8, 4}, 132) == 0, "rotated under a band mask");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{133, 8, 4}, 132) == 0, "rotated beyond the SMs");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{132, 8, 4}, 132) == 1, "not rotated at the SMs");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 0), false, dim3{32, 8, 4}, 132) == 0, "rotated outside deterministic mode");
 
   FwdParams f = bwd_params(4096, 8, 2, 0).fwd;
   // 4k keys, d 128: 2 MB of K/V per KV head, shared by 4 query heads -> 0.5 MB per pair -> 32 pairs.

@@ -563,18 +563,34 @@ def test_bwd_deterministic(hdim, causal, repeats, seed):
             assert torch.equal(g, f), f"repeat {i}: d{n} differs"
 
 
-def test_bwd_deterministic_varlen(seed):
-    name, d, dv = _any_built(band=True)
-    lens_q, lens_k = [300, 0, 1, 700], [129, 5, 64, 700]
-    q, k, v = random_qkv(1, sum(lens_q), sum(lens_k), 8, 1, d, dv, dtype=DTYPES[name], device="cuda", seed=seed)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+def test_bwd_deterministic_varlen(hdim, causal, seed):
+    """Packed sequences in deterministic mode: 20 repeats bitwise identical and close to the default
+    mode. Without a mask the kernel walks rotated where a sequence has at most as many KV blocks as
+    query blocks and plain elsewhere (here both in one call: 64 queries on 1000 keys, 1 on 700)."""
+    d, dv = hdim
+    name = "bf16" if find_kernels(op="bwd", dtype="bf16", head_dim=d, head_dim_v=dv, band=causal, softcap=False) \
+        else "fp16"
+    require_built(name, d, dv, band=causal)
+    lens_q, lens_k = [300, 0, 1, 700, 64], [129, 5, 700, 700, 1000]
+    q, k, v = random_qkv(1, sum(lens_q), sum(lens_k), 8, 2, d, dv, dtype=DTYPES[name], device="cuda", seed=seed)
     xs = [t[0].clone().requires_grad_(True) for t in (q, k, v)]
     cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
-    out = flash_attn_varlen_func(*xs, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, deterministic=True)
+
+    def grads(deterministic):
+        out = flash_attn_varlen_func(*xs, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                     deterministic=deterministic)
+        return out, torch.autograd.grad(out, xs, randn_like(out, seed + 1), retain_graph=True)
+
+    out, first = grads(True)
     dout = randn_like(out, seed + 1)
-    first = torch.autograd.grad(out, xs, dout, retain_graph=True)
     for i in range(20):
-        grads = torch.autograd.grad(out, xs, dout, retain_graph=True)
-        assert all(torch.equal(g, f) for g, f in zip(grads, first)), f"repeat {i} differs"
+        again = torch.autograd.grad(out, xs, dout, retain_graph=True)
+        for n, g, f in zip("qkv", again, first):
+            assert torch.equal(g, f), f"repeat {i}: d{n} differs"
+    for n, g, f in zip("qkv", grads(False)[1], first):
+        torch.testing.assert_close(g.float(), f.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"d{n}: {m}")
 
 
 @pytest.mark.timeout(300)
