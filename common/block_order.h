@@ -130,8 +130,10 @@ CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
 // block n reaches query block j at step (j - n) mod M, one step after block n + 1 did: with the adds
 // ordered by step, each waits on an add issued a whole step earlier. That needs N <= M (one KV block
 // per query block and step) and all N CTAs resident together (the turns wrap around to CTAs launched
-// later), so the launcher rotates only grids of at most one CTA per SM along x. Outside deterministic
-// mode the walks stay plain (rotated: d 128 within -2.4% to +0.2%, d 256 +0.5% to +3%).
+// later), so the launcher rotates only grids of at most half the SMs along x (one CTA per SM; near
+// the SM count rotation measured no faster, as the CTAs of a head that start early wait for the rest)
+// and not for deterministic = 2 (callers confined to a part of the SMs). Outside deterministic mode
+// the walks stay plain (rotated: d 128 within -2.4% to +0.2%, d 256 +0.5% to +3%).
 
 // Turn of KV block n_block at step `step` of its rotated walk (query block (n_block + step) mod
 // num_m_blocks): the KV blocks n_block + 1 ... n_block + step (mod num_m_blocks) that exist reached
@@ -145,7 +147,7 @@ CUTE_HOST_DEVICE int rotated_dq_turn(int n_block, int step, int num_n_blocks, in
 // 1 when the backward kernel of `grid` walks rotated (above), else 0. The kernel keeps the plain walk
 // for sequences with more KV blocks than query blocks.
 inline int bwd_dq_rotate(BwdParams const& params, bool is_band, dim3 grid, int num_sms) {
-  return !is_band && params.abi.deterministic && int(grid.x) <= num_sms ? 1 : 0;
+  return !is_band && params.abi.deterministic == 1 && 2 * int(grid.x) <= num_sms ? 1 : 0;
 }
 
 }  // namespace flashtile

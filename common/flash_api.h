@@ -129,7 +129,10 @@ typedef struct FtBwdParams {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
 
-  int32_t deterministic;  // 1: dq accumulated in a fixed order (dq_semaphore required)
+  // 1: dq accumulated in a fixed order (dq_semaphore required); 2: the same without rotated walks,
+  // whose order needs all KV-block CTAs of a (batch, head) resident at once (for callers confined to a
+  // part of the GPU's SMs; rotated walks are used only for at most half the SMs' worth of KV blocks).
+  int32_t deterministic;
   int32_t reserved;
 } FtBwdParams;
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from typing import Optional
 
 import torch
@@ -200,6 +201,11 @@ def _grad_buffer(like: torch.Tensor, zero: bool) -> torch.Tensor:
 # Pass the dq_done counters to the backward (False: NULL, the C ABI's other case, where the dq
 # postprocess waits for the whole main kernel; the tests compare the two).
 _COUNT_DQ_DONE = True
+# FtBwdParams.deterministic for deterministic=True: 1, or 2 (the same guarantee without rotated walks,
+# whose dq turns need all KV-block CTAs of a (batch, head) resident at once) when
+# FLASHTILE_DETERMINISTIC_NO_ROTATION is set to a nonzero value, for processes confined to a part of the
+# GPU's SMs (MPS active-thread limits, green contexts).
+_DETERMINISTIC_MODE = 2 if os.environ.get("FLASHTILE_DETERMINISTIC_NO_ROTATION", "0") not in ("", "0") else 1
 
 
 def _dq_workspace(q: torch.Tensor, batch: int, varlen: bool, num_heads_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +270,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride = _strides(dk, varlen_k)
     p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride = _strides(dv, varlen_k)
     p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride = _dq_accum_strides(dq_accum, varlen_q)
-    p.deterministic = int(deterministic)
+    p.deterministic = _DETERMINISTIC_MODE if deterministic else 0
     _launch("ft_mha_bwd", p, q.device, "backward")
     return dq, dk, dv
 

@@ -16,7 +16,7 @@ checks what the kernels rely on:
   - rotated backward walks (deterministic mode): the turns that rotated_dq_turn gives the KV blocks
     reaching one query block are 0 ... N - 1 in the order of their steps, so with every KV block
     taking one step per round nobody waits; the launcher rotates only unmasked grids in
-    deterministic mode, and only grids that fit the SMs at once.
+    deterministic mode 1 (not 2), and only grids of at most half the SMs along x.
 """
 import os
 import shutil
@@ -190,8 +190,9 @@ int main() {
   check(rotated_dq_turn(0, 0, 1, 1) == 0, "rotated: a single KV block");
   check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{32, 8, 4}, 132) == 1, "deterministic, unmasked: not rotated");
   check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), true, dim3{32, 8, 4}, 132) == 0, "rotated under a band mask");
-  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{133, 8, 4}, 132) == 0, "rotated beyond the SMs");
-  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{132, 8, 4}, 132) == 1, "not rotated at the SMs");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{67, 8, 4}, 132) == 0, "rotated beyond half the SMs");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{66, 8, 4}, 132) == 1, "not rotated at half the SMs");
+  check(bwd_dq_rotate(bwd_params(4096, 8, 8, 2), false, dim3{32, 8, 4}, 132) == 0, "rotated for deterministic = 2");
   check(bwd_dq_rotate(bwd_params(4096, 8, 8, 0), false, dim3{32, 8, 4}, 132) == 0, "rotated outside deterministic mode");
 
   FwdParams f = bwd_params(4096, 8, 2, 0).fwd;

@@ -206,7 +206,7 @@ def test_bwd_params_padded(lib, deterministic):
     assert _fields(p, "dq_accum") == (6 * 128 * 128, 128, 128 * 128)
     assert p.dq_done == p.dq_accum + 2 * 6 * 128 * 128 * 4  # batch * heads * rows * d floats, then the counters
     if deterministic:
-        assert p.deterministic == 1 and p.dq_semaphore
+        assert p.deterministic == ops._DETERMINISTIC_MODE == 1 and p.dq_semaphore
         assert seen["semaphore"] == [0] * (2 * 6 * 3)  # batch * heads * ceil(70 / 32), zeroed
     else:
         assert p.deterministic == 0 and not p.dq_semaphore
@@ -349,3 +349,16 @@ def test_dq_accum_is_padded_to_whole_tiles(shape, varlen, batch, expected):
     assert done.dtype == torch.int32 and tuple(done.shape) == (batch * 3,)
     assert done.data_ptr() == acc.data_ptr() + acc.numel() * 4
     assert done.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
+
+
+def test_bwd_params_deterministic_without_rotation(lib, monkeypatch):
+    """FLASHTILE_DETERMINISTIC_NO_ROTATION (read at import into ops._DETERMINISTIC_MODE) makes
+    deterministic=True pass 2 (the fixed order without rotated walks); the default mode stays 0."""
+    monkeypatch.setattr(ops, "_DETERMINISTIC_MODE", 2)
+    q, k, v, out, lse = _padded_case()
+    dout = _rand(*out.shape)
+    for deterministic, expected in ((True, 2), (False, 0)):
+        lib.bwd_calls.clear()
+        _bwd(lib, dout, q, k, v, out, lse, deterministic=deterministic, scale=0.2, causal=False, path=_lib.PATHS["auto"])
+        ((p, _, _),) = lib.bwd_calls
+        assert p.deterministic == expected and bool(p.dq_semaphore) == deterministic

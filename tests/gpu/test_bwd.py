@@ -565,10 +565,12 @@ def test_bwd_deterministic(hdim, causal, repeats, seed):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
-def test_bwd_deterministic_varlen(hdim, causal, seed):
+def test_bwd_deterministic_varlen(hdim, causal, monkeypatch, seed):
     """Packed sequences in deterministic mode: 20 repeats bitwise identical and close to the default
     mode. Without a mask the kernel walks rotated where a sequence has at most as many KV blocks as
-    query blocks and plain elsewhere (here both in one call: 64 queries on 1000 keys, 1 on 700)."""
+    query blocks and plain elsewhere (here both in one call: 64 queries on 1000 keys, 1 on 700); the
+    mode without rotated walks (FtBwdParams.deterministic = 2) repeats bitwise too."""
+    from flashtile import ops
     d, dv = hdim
     name = "bf16" if find_kernels(op="bwd", dtype="bf16", head_dim=d, head_dim_v=dv, band=causal, softcap=False) \
         else "fp16"
@@ -591,6 +593,11 @@ def test_bwd_deterministic_varlen(hdim, causal, seed):
             assert torch.equal(g, f), f"repeat {i}: d{n} differs"
     for n, g, f in zip("qkv", grads(False)[1], first):
         torch.testing.assert_close(g.float(), f.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"d{n}: {m}")
+    monkeypatch.setattr(ops, "_DETERMINISTIC_MODE", 2)
+    plain = grads(True)[1]
+    for n, g, f, r in zip("qkv", grads(True)[1], plain, first):
+        assert torch.equal(g, f), f"deterministic = 2: d{n} differs between two calls"
+        torch.testing.assert_close(f.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"d{n}: {m}")
 
 
 @pytest.mark.timeout(300)
