@@ -112,10 +112,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Deterministic mode adds each query block's dQ contributions in descending KV-block order, and the
   // grid runs high KV blocks first: under a causal mask KV block n starts at its diagonal, so block
   // n - 1 reaches a query block after n has, and no CTA waits in steady state (ascending order would
-  // make block n wait for the walk of all lower blocks). A CTA only ever waits for CTAs launched
-  // before it, which cannot deadlock. Without a mask, grids of at most half the SMs' worth of KV
-  // blocks walk rotated instead (dq_rotate, common/block_order.h): query block j takes its adds in the
-  // order of the steps at which the KV blocks reach it, and a head's KV blocks must be resident at once. Band masks otherwise run longest first (common/block_order.h).
+  // make block n wait for the walk of all lower blocks); a CTA then only waits for CTAs launched before
+  // it, which cannot deadlock. Without a mask, grids of at most half the SMs' worth of KV blocks walk
+  // rotated instead (dq_rotate, common/block_order.h): query block j takes its adds in the order of the
+  // steps at which the KV blocks reach it, which needs a head's KV blocks resident at once. Band masks
+  // outside deterministic mode run longest first (common/block_order.h).
   BlockCoord const cta = band_block_coord(params.pairs_per_section);
   int const n_block = b.deterministic ? int(gridDim.x) - 1 - cta.block : cta.block;
   int const bidh_k = cta.bidh, bidb = cta.bidb;
