@@ -5,8 +5,13 @@
 // load overlaps S = Q K^T (ldmatrix + mma.sync), masking and the online softmax; the next K load
 // overlaps O += P V, with P converted in registers. The epilogue normalizes O, stages it through
 // shared memory for 16-byte global stores and writes the natural-log LSE.
+// Split tiles (Traits::kSplitN, above hdim 128): the two warps of a pair own the same rows, each
+// half of S's keys and half of O's columns. They exchange their rows' block maxima through shared
+// memory (one pair barrier per block), each stores its half of P, and the PV GEMM reads all of its
+// rows' P from shared memory; the row sums are combined once, in the epilogue.
 // Synchronization: two __syncthreads per KV block, each after a cp.async wait — the first makes K
-// (and V's buffer) safe to reuse, the second makes V visible and K's buffer free.
+// (and V's buffer, P's and the row maxima's) safe to reuse, the second makes V and P visible and
+// K's buffer free.
 // Register budget (the kernel runs at the 255-register limit): blocks that need a mask run their own
 // loop body, so unmasked blocks carry no always-issued selects; whole K/V tiles load unpredicated;
 // the ldmatrix addresses and the thread index are read from shared memory where they are needed
@@ -79,6 +84,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor sV = make_tensor(sK.data() + cosize(typename Traits::SmemLayoutK{}), typename Traits::SmemLayoutV{});
   Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+  Element* const sP_ptr = sV.data().get() + cosize(typename Traits::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(sP_ptr), typename Traits::SmemLayoutP{});
+  float* const row_stats = reinterpret_cast<float*>(sP_ptr + Traits::kSmemP);  // [kWarpsN][kBlockM]
 
   int const tidx = threadIdx.x;
   constexpr int kNThreads = Traits::kNThreads;
@@ -105,6 +113,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
   Tensor tSrK = thr_mma.partition_fragment_B(sK);
   Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor tOrPs = thr_mma.partition_fragment_A(sP);  // kSplitN: P of the warp's rows, all keys
   auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
   auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
   auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -116,12 +125,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   // instead of holding them in registers through the loop: the ldmatrix bases of Q, K and V^T
   // (LdsmXorSource: one per tile, XOR-folded per k-slice) and the thread index, from which the
   // copies, the mask and the epilogue derive their coordinates (read from here, they are not common
-  // subexpressions of values computed before the loop). Word 0: Q | K << 16, word 1: V^T | tid << 16
-  // (byte offsets within a tile are below 64 KB). Each thread reads only its own words.
+  // subexpressions of values computed before the loop). Word 0: Q | K << 16, word 1: V^T | tid << 16,
+  // with kSplitN word 2: P (byte offsets within a tile are below 64 KB). Each thread reads only its
+  // own words.
   uint32_t* stash = reinterpret_cast<uint32_t*>(smem_ + Traits::kSmemTiles) + tidx;
   stash[0] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutQ{}, sQ_ptr).base |
              make_ldsm_xor_source(smem_thr_k, typename Traits::SmemLayoutK{}, sK_ptr).base << 16;
   stash[kNThreads] = make_ldsm_xor_source(smem_thr_v, typename Traits::SmemLayoutVt{}, sV_ptr).base | uint32_t(tidx) << 16;
+  if constexpr (Traits::kSplitN) {
+    stash[2 * kNThreads] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr).base;
+  }
   auto stashed_tidx = [&] { return int(stash[kNThreads] >> 16); };
 
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});
@@ -133,6 +146,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
   // Row sums reduce-scattered over the quad where a thread holds four rows (OnlineSoftmax::online_lean).
   constexpr bool kQuadSum = kRowsPerThread == 4;
+
+  // Split tiles: P stored by each warp for the pair's PV GEMMs, and the pair's exchanges of per-row
+  // values through row_stats[kWarpsN][kBlockM] (w % kWarpsM: the pair's rows; w / kWarpsM: its half).
+  auto smem_copy_p_store = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  static_assert(!Traits::kSplitN || kQuadSum);
+  // Row r of the thread's fragment rows (rowcol(acc)(r, _)) within the tile, and its pair's barrier.
+  auto fragment_row = [&](int t, int r) {
+    Tensor c = rowcol(tiled_mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+    return get<0>(c(r, 0));
+  };
+  auto pair_sync = [&](int t) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + t / 32 % Traits::kWarpsM), "n"(64) : "memory");
+  };
+  // The block's row maxima combined with the pair warp's (one lane per quad writes its four rows).
+  auto pair_row_max = [&](float (&block_max)[kRowsPerThread]) {
+    int const t = stashed_tidx();
+    int const half = t / 32 / Traits::kWarpsM;
+    if (t % 4 == 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) { row_stats[half * kBlockM + fragment_row(t, r)] = block_max[r]; }
+    }
+    pair_sync(t);
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      block_max[r] = fmaxf(block_max[r], row_stats[(1 - half) * kBlockM + fragment_row(t, r)]);
+    }
+  };
 
   // K/V tile of KV block n: whole tiles unpredicated, else predicated at the sequence end and past the
   // actual head dim. t: the thread index, read (from the stash) before the barrier preceding the load.
@@ -184,10 +224,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     Tensor scores = rowcol(acc_s);
     auto const src_vt = ldsm_xor_source_with_base(smem_thr_v, typename Traits::SmemLayoutVt{}, sV_ptr, stash[kNThreads] & 0xffffu);
     // The first block is the last visible one: a uniform test on the block index, no loop-carried flag.
+    auto online = [&](auto is_first) {
+      if constexpr (Traits::kSplitN) {
+        float block_max[kRowsPerThread];
+        softmax.quad_row_max(scores, block_max);
+        pair_row_max(block_max);
+        softmax.template online_lean_from_max<decltype(is_first)::value, kQuadSum>(scores, block_max);
+      } else {
+        softmax.template online_lean<decltype(is_first)::value, kQuadSum>(scores);
+      }
+    };
     if (n == n_block_max - 1) {
-      softmax.template online_lean<true, kQuadSum>(scores);
+      online(true_type{});
     } else {
-      softmax.template online_lean<false, kQuadSum>(scores);
+      online(false_type{});
     }
     // P to the input type right away: the 16-bit fragment, not the fp32 one, stays live across the
     // wait and the next K load. Four-wide conversions per 16x8 atom: converting the whole fragment at
@@ -195,6 +245,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     Tensor tOrP = make_tensor<Element>(acc_s.layout());
     CUTE_UNROLL
     for (int m = 0; m < size<1>(acc_s); ++m) { convert_rows(acc_s, tOrP, m); }
+    if constexpr (Traits::kSplitN) {
+      auto thr_store = smem_copy_p_store.get_thread_slice(stashed_tidx());
+      copy(smem_copy_p_store, thr_store.retile_S(tOrP), thr_store.partition_D(sP));
+    }
     int const t_k = stashed_tidx();
     cp_async_wait<0>();
     __syncthreads();  // V[n] visible; every thread is done with K[n]
@@ -204,8 +258,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     }
     Tensor out = rowcol(acc_o);
     softmax.rescale_o_always(out);
-    Tensor tOrP_a = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-    gemm_rs<2>(acc_o, tOrP_a, tOrVt, src_vt, tiled_mma, smem_copy_v, smem_thr_v);
+    if constexpr (Traits::kSplitN) {
+      // All of the rows' P (both warps' keys): one ldmatrix pass, then the same register-A GEMM.
+      auto const src_p = ldsm_xor_source_with_base(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr, stash[2 * kNThreads]);
+      Tensor tOrPs_view = smem_thr_q.retile_D(tOrPs);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOrPs); ++k) { copy_k_slice(smem_copy_q, src_p, tOrPs_view, k); }
+      gemm_rs<2>(acc_o, tOrPs, tOrVt, src_vt, tiled_mma, smem_copy_v, smem_thr_v);
+    } else {
+      Tensor tOrP_a = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
+      gemm_rs<2>(acc_o, tOrP_a, tOrVt, src_vt, tiled_mma, smem_copy_v, smem_thr_v);
+    }
   };
 
   for (; n_block >= n_block_min; --n_block) {
@@ -217,6 +280,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   }
 
   // Epilogue: normalize, LSE, O through shared memory (Q's region: no thread reads sQ any more).
+  if constexpr (Traits::kSplitN) {
+    // Each warp summed its half of the keys; lane l holds row l % 4's (kQuadSum). The last block's
+    // second __syncthreads ordered every read of row_stats before these writes.
+    int const t = stashed_tidx();
+    int const half = t / 32 / Traits::kWarpsM;
+    int const row = fragment_row(t, t % 4);
+    row_stats[half * kBlockM + row] = softmax.row_sum(0);
+    pair_sync(t);
+    softmax.row_sum(0) += row_stats[(1 - half) * kBlockM + row];
+  }
   Tensor out = rowcol(acc_o);
   Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
   softmax.template finalize_lean<kQuadSum>(out, lse, params.scale_ln);

@@ -25,17 +25,24 @@ LaunchStatus run_fwd_traits(FwdParams const& params_in, cudaStream_t stream) {
   return LaunchStatus::cuda(cudaGetLastError(), "fwd_kernel launch");
 }
 
-// The wide tile where the policy has one for this head dim and picks it for the device.
+// Above hdim 128 the tile the policy picks for the device (ampere_fwd_tile_kind).
 template <class Element, int kHeadDim, int kHeadDimV, bool kIsBand, bool kHasSoftcap>
 LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
   using TraitsWide = FwdTraits<Element, kHeadDim, kHeadDimV, true>;
-  if constexpr (TraitsWide::kBlockM != Traits::kBlockM) {
+  using TraitsSplit = FwdTraits<Element, kHeadDim, kHeadDimV, false, true>;
+  using TraitsSplitWide = FwdTraits<Element, kHeadDim, kHeadDimV, true, true>;
+  if constexpr (TraitsSplit::kSplitN) {
     DeviceAttrs attrs;
     if (LaunchStatus s = device_attrs(params.abi.device, attrs); !s.ok()) { return s; }
-    if (ampere_fwd_wide(Traits::kSmemBytes, TraitsWide::kSmemBytes, attrs.smem_per_sm, attrs.smem_optin)) {
-      return run_fwd_traits<TraitsWide, kIsBand, kHasSoftcap>(params, stream);
+    int const bytes[2][2] = {{Traits::kSmemBytes, TraitsSplit::kSmemBytes},
+                             {TraitsWide::kSmemBytes, TraitsSplitWide::kSmemBytes}};
+    FwdTileKind const kind = ampere_fwd_tile_kind(bytes, attrs.smem_per_sm, attrs.smem_optin);
+    if (kind.split) {
+      return kind.wide ? run_fwd_traits<TraitsSplitWide, kIsBand, kHasSoftcap>(params, stream)
+                       : run_fwd_traits<TraitsSplit, kIsBand, kHasSoftcap>(params, stream);
     }
+    if (kind.wide) { return run_fwd_traits<TraitsWide, kIsBand, kHasSoftcap>(params, stream); }
   }
   return run_fwd_traits<Traits, kIsBand, kHasSoftcap>(params, stream);
 }

@@ -152,6 +152,29 @@ struct OnlineSoftmax {
   // are free (finalize_lean). The row sum's order differs from online()'s, in the last bits.
   template <bool kIsFirst, bool kQuadSum, class TensorS>
   CUTE_DEVICE void online_lean(TensorS& S) {
+    float block_max[kNRows];
+    quad_row_max(S, block_max);
+    online_lean_from_max<kIsFirst, kQuadSum>(S, block_max);
+  }
+
+  // The block's row maxima over the thread's quad (online_lean's first half; a kernel whose rows span
+  // several warps combines them before online_lean_from_max).
+  template <class TensorS>
+  CUTE_DEVICE static void quad_row_max(TensorS const& S, float (&block_max)[kNRows]) {
+    static_assert(decltype(cute::size<0>(S))::value == kNRows);
+    constexpr int kCols = decltype(cute::size<1>(S))::value;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kNRows; ++mi) {
+      float m = S(mi, 0);
+      CUTE_UNROLL
+      for (int ni = 1; ni < kCols; ++ni) { m = fmaxf(m, S(mi, ni)); }
+      block_max[mi] = quad_allreduce_max(m);
+    }
+  }
+
+  // online_lean given the block's row maxima (quad_row_max, possibly combined across warps).
+  template <bool kIsFirst, bool kQuadSum, class TensorS>
+  CUTE_DEVICE void online_lean_from_max(TensorS& S, float const (&block_max)[kNRows]) {
     static_assert(!kQuadSum || kNRows == 4);
     static_assert(!kLazyRescale && kExpFmaPer16 == 0);
     static_assert(decltype(cute::size<0>(S))::value == kNRows);
@@ -159,11 +182,7 @@ struct OnlineSoftmax {
     float sum[kNRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kNRows; ++mi) {
-      float block_max = S(mi, 0);
-      CUTE_UNROLL
-      for (int ni = 1; ni < kCols; ++ni) { block_max = fmaxf(block_max, S(mi, ni)); }
-      block_max = quad_allreduce_max(block_max);
-      float const m = fmaxf(row_max(mi), block_max);
+      float const m = fmaxf(row_max(mi), block_max[mi]);
       float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
       correction(mi) = kIsFirst ? 1.f : exp2f(row_max(mi) * scale_log2 - m_scaled);
       row_max(mi) = m;

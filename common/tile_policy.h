@@ -9,35 +9,69 @@ struct FwdTile {
   int block_m;
   int block_n;
   int num_warps;
+  // Warps along the keys of S = Q K^T and along the value columns of O (the rest along the rows).
+  // 2: a warp pair shares its rows; each warp takes half the keys of S and half the columns of O,
+  // the pair combines its row maxima through shared memory and P goes through shared memory.
+  int warps_n = 1;
 };
 
-// Ampere-path forward (mma.sync + cp.async); also runs on sm_90 when that path is forced. Each warp
-// owns 16 rows of every 16 * num_warps-row slice of the query block.
+// Ampere-path forward (mma.sync + cp.async); also runs on sm_90 when that path is forced.
 // Shared memory: (block_m * d + 2 * block_n * d) * 2 bytes, plus 1 KB of per-thread constants; hdim
-// 128: 64 KB. Above hdim 128 two tiles: 64 x 64 on 4 warps (hdim 256: 96 KB; two CTAs per SM on
-// sm_90, and it fits sm_86 / sm_89's 99 KB per block), which measured 3-13% faster on an H100 than
-// the wide 128 x 64 on 8 warps (128 KB), whose single CTA per SM stalls at every block barrier; the
-// wide tile is for SMs that hold one narrow CTA but fit a wide one (sm_80: 164 KB per SM), where it
-// keeps 8 warps per SM (ampere_fwd_wide).
-constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false) {
+// 128: 64 KB. Up to hdim 128 each warp owns 16 rows of every 16 * num_warps-row slice of the query
+// block (32 rows, O in 64-128 registers). Above hdim 128 a warp's O takes 128 registers at 16 rows
+// of 256 columns, so a warp that owned all its rows' keys and columns would read every K and V
+// byte per 16 rows: 72 KB of ldmatrix per 1 MFLOP at d = 256, against 40 KB at d = 128, the
+// shared-memory pipe then bounding the step. Warp pairs split the keys and columns instead
+// (warps_n = 2): 32 rows per warp, 52 KB per 1 MFLOP, for a row-max exchange per block and P
+// (block_m x block_n) through shared memory. Tiles above hdim 128:
+// - split: 64 x 64 on 2 x 2 warps (hdim 256: 105 KB; two CTAs per SM on sm_90);
+// - split wide: 128 x 64 on 4 x 2 warps (hdim 256: 147 KB; sm_80, where a split one does not fit
+//   twice, keeping 8 warps per SM);
+// - unsplit: 64 x 64 on 4 warps (96 KB), for sm_86 / sm_89's 99 KB per block.
+// (Unsplit, 64 x 64 on 4 warps measured 3-13% faster on an H100 than 128 x 64 on 8 warps, whose
+// single CTA per SM stalls at every block barrier.)
+constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false, bool split = false) {
   return head_dim <= 64    ? FwdTile{128, 128, 4}
          : head_dim <= 128 ? FwdTile{128, 64, 4}
+         : split           ? (wide ? FwdTile{128, 64, 8, 2} : FwdTile{64, 64, 4, 2})
          : wide            ? FwdTile{128, 64, 8}
                            : FwdTile{64, 64, 4};
 }
 
-// Build-time override of ampere_fwd_wide, to test the wide tile on any device: 0 never, 1 wherever
-// it fits, -1 the policy.
+// Build-time overrides of the tile choice above hdim 128 (ampere_fwd_tile_kind), to test each tile on
+// any device: FLASHTILE_AMPERE_FWD_WIDE 0 never, 1 wherever it fits; FLASHTILE_AMPERE_FWD_SPLIT 0
+// never, 1 wherever it fits; -1 the policy.
 #ifndef FLASHTILE_AMPERE_FWD_WIDE
 #define FLASHTILE_AMPERE_FWD_WIDE -1
 #endif
+#ifndef FLASHTILE_AMPERE_FWD_SPLIT
+#define FLASHTILE_AMPERE_FWD_SPLIT -1
+#endif
 
-// Whether the forward launches the wide tile: where the SM holds one CTA of the narrow tile and the
-// device admits the wide one (each resident block also reserves 1 KB of the SM's shared memory).
-constexpr bool ampere_fwd_wide(int narrow_bytes, int wide_bytes, int smem_per_sm, int smem_optin) {
-  if (wide_bytes > smem_optin) { return false; }
-  if (FLASHTILE_AMPERE_FWD_WIDE >= 0) { return FLASHTILE_AMPERE_FWD_WIDE == 1; }
-  return smem_per_sm < 2 * (narrow_bytes + 1024);
+// The tile above hdim 128 for a device, as (wide, split): the first of split, split wide, unsplit,
+// unsplit wide that the device admits with 8 warps per SM (each resident block also reserves 1 KB
+// of the SM's shared memory); the unsplit tile where none does. bytes[wide][split]: each tile's
+// shared memory.
+struct FwdTileKind {
+  bool wide;
+  bool split;
+};
+
+constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_per_sm, int smem_optin) {
+  auto fits = [&](bool wide, bool split) {
+    int const b = bytes[wide][split];
+    return b <= smem_optin && (wide || smem_per_sm >= 2 * (b + 1024));
+  };
+  constexpr int kWide = FLASHTILE_AMPERE_FWD_WIDE;
+  constexpr int kSplit = FLASHTILE_AMPERE_FWD_SPLIT;
+  for (int split = 1; split >= 0; --split) {
+    if (kSplit >= 0 && split != kSplit) { continue; }
+    for (int wide = 0; wide <= 1; ++wide) {
+      if (kWide >= 0 && wide != kWide) { continue; }
+      if (fits(wide, split)) { return FwdTileKind{wide == 1, split == 1}; }
+    }
+  }
+  return FwdTileKind{false, false};
 }
 
 // Ampere-path backward: each CTA owns block_n keys and walks the query blocks of block_m rows. Three

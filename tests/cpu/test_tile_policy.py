@@ -1,0 +1,84 @@
+"""The Ampere-path forward's tile choice above hdim 128 (common/tile_policy.h), compiled for the host.
+
+Shared-memory bytes per tile are recomputed here the way ampere/fwd_traits.h adds them up (16-bit Q, K,
+V and, for split tiles, P; fp32 row statistics; 4-byte per-thread constants), and
+ampere_fwd_tile_kind is asked for each device's limits:
+  - sm_90 (227 KB per block, 228 KB per SM) holds two split 64-row CTAs: split, not wide;
+  - sm_80 (163 / 164 KB) holds one: the split wide tile (8 warps per SM);
+  - sm_86 / sm_89 (99 / 100 KB) fit no split tile twice nor a split wide one: at hdim 256 the unsplit
+    64-row tile (96 KB + constants), at hdim 192 the unsplit wide one (one CTA of 8 warps);
+  - every tile chosen fits the device's per-block limit, and the tiles' shapes are what the kernels
+    assume (32 rows per warp pair, warps_n 2 only on split tiles).
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROGRAM = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "common/tile_policy.h"
+using namespace flashtile;
+
+static int failures = 0;
+#define CHECK(c) do { if (!(c)) { ++failures; std::printf("FAIL line %d: %s\n", __LINE__, #c); } } while (0)
+
+static int tile_bytes(int d, bool wide, bool split) {
+  FwdTile const t = ampere_fwd_tile(d, wide, split);
+  int const threads = 32 * t.num_warps;
+  int bytes = 2 * (t.block_m * d + 2 * t.block_n * d);
+  if (t.warps_n > 1) { bytes += 2 * t.block_m * t.block_n + 4 * t.warps_n * t.block_m; }
+  return bytes + (t.warps_n > 1 ? 3 : 2) * threads * 4;
+}
+
+int main() {
+  struct Dev { char const* name; int per_sm, optin; };
+  Dev const devs[] = {{"sm_90", 233472, 232448}, {"sm_80", 167936, 166912}, {"sm_86", 102400, 101376}};
+  // Expected (wide, split) per device, for the head-dim buckets above 128.
+  struct Case { int d; FwdTileKind want[3]; };
+  Case const cases[] = {{192, {{false, true}, {true, true}, {true, false}}},
+                        {256, {{false, true}, {true, true}, {false, false}}}};
+  for (Case const& c : cases) {
+    int const d = c.d;
+    int const bytes[2][2] = {{tile_bytes(d, false, false), tile_bytes(d, false, true)},
+                             {tile_bytes(d, true, false), tile_bytes(d, true, true)}};
+    for (int i = 0; i < 3; ++i) {
+      FwdTileKind const k = ampere_fwd_tile_kind(bytes, devs[i].per_sm, devs[i].optin);
+      if (k.wide != c.want[i].wide || k.split != c.want[i].split) {
+        ++failures;
+        std::printf("FAIL d %d %s: wide %d split %d\n", d, devs[i].name, k.wide, k.split);
+      }
+      CHECK(bytes[k.wide][k.split] <= devs[i].optin);
+    }
+    for (int w = 0; w < 2; ++w) {
+      FwdTile const s = ampere_fwd_tile(d, w == 1, true);
+      FwdTile const u = ampere_fwd_tile(d, w == 1, false);
+      CHECK(s.warps_n == 2 && s.block_m == 32 * (s.num_warps / 2));
+      CHECK(u.warps_n == 1 && u.block_m == 16 * u.num_warps);
+    }
+  }
+  for (int d : {64, 96, 128}) {
+    CHECK(ampere_fwd_tile(d, false, true).warps_n == 1);
+  }
+  std::printf("%d failures\n", failures);
+  return failures != 0;
+}
+"""
+
+
+def test_ampere_fwd_tile_choice_on_the_host(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler found to build the tile-policy check")
+    prog = tmp_path / "policy.cpp"
+    prog.write_text(PROGRAM)
+    exe = tmp_path / "policy"
+    res = subprocess.run([cxx, "-std=c++17", "-O1", "-I", ROOT, str(prog), "-o", str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith("0 failures")
