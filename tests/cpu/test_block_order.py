@@ -18,13 +18,6 @@ checks what the kernels rely on:
     taking one step per round nobody waits; the launcher rotates only unmasked grids in
     deterministic mode 1 (not 2), and only grids of at most half the SMs along x.
 """
-import os
-import shutil
-import subprocess
-
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROGRAM = r"""
 #include <algorithm>
@@ -208,19 +201,8 @@ int main() {
 """
 
 
-def test_band_block_order_on_the_host(tmp_path):
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler found to build the launch-order check")
+def test_band_block_order_on_the_host(tmp_path, run_host_program):
     stub = tmp_path / "stub" / "cute"
     stub.mkdir(parents=True)
     (stub / "config.hpp").write_text("#pragma once\n#define CUTE_HOST_DEVICE inline\n#define CUTE_DEVICE inline\n")
-    prog = tmp_path / "order.cpp"
-    prog.write_text(PROGRAM)
-    exe = tmp_path / "order"
-    res = subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(tmp_path / "stub"), "-I", ROOT, str(prog), "-o", str(exe)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.strip().endswith("0 failures")
+    run_host_program(PROGRAM, include_dirs=[tmp_path / "stub"])
