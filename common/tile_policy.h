@@ -24,8 +24,8 @@ struct FwdTile {
 // shared-memory pipe then bounding the step. Warp pairs split the keys and columns instead
 // (warps_n = 2): 32 rows per warp, 52 KB per 1 MFLOP, for a row-max exchange per block and P
 // (block_m x block_n) through shared memory. Tiles above hdim 128:
-// - split: 64 x 64 on 2 x 2 warps (hdim 256: 105 KB; two CTAs per SM on sm_90);
-// - split wide: 128 x 64 on 4 x 2 warps (hdim 256: 147 KB; sm_80, where a split one does not fit
+// - split: 64 x 64 on 2 x 2 warps (hdim 256: 106 KB; two CTAs per SM on sm_90);
+// - split wide: 128 x 64 on 4 x 2 warps (hdim 256: 148 KB; sm_80, where a split one does not fit
 //   twice, keeping 8 warps per SM);
 // - unsplit: 64 x 64 on 4 warps (96 KB), for sm_86 / sm_89's 99 KB per block.
 // (Unsplit, 64 x 64 on 4 warps measured 3-13% faster on an H100 than 128 x 64 on 8 warps, whose
