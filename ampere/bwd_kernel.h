@@ -50,6 +50,11 @@ CUTE_DEVICE void pass_dq_turn(int* semaphore) {
 
 template <class Traits, bool kIsBand, bool kHasSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_constant__ BwdParams const params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  // No sm_8x block may have more than sm_80's 163 KB: run_bwd never launches larger tiles there, so
+  // their sm_8x code is left empty (their register-bound body only spilled).
+  if constexpr (Traits::kSmemBytes > 163 * 1024) { return; }
+#endif
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -119,12 +124,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor sP = make_tensor(make_smem_ptr(smem + kOffP), typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(make_smem_ptr(smem + kOffdS), typename Traits::SmemLayoutPdS{});
   float* sD = reinterpret_cast<float*>(smem + kOffdS + Traits::kSmemPdS);
-  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
-  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
-  // Register fragments are shaped from the swizzle-free views (same shapes, plain offsets).
+  // Register fragments are shaped from swizzle-free transposed views (same shapes, plain offsets).
   Tensor sQtF = make_tensor(sQ.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutQt{}));
   Tensor sdOtF = make_tensor(sdO.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutdOt{}));
   Tensor sKtF = make_tensor(sK.data().get(), get_nonswizzle_portion(typename Traits::SmemLayoutKt{}));
@@ -143,7 +143,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   Tensor tQKp = col_predicate(tQcQ, p.head_dim);
   Tensor tVp = col_predicate(tdOcdO, p.head_dim_v);
-  auto at_stage = [](auto const& t, int offset) { return make_tensor(t.data() + offset, t.layout()); };
   bool const full_qk_cols = p.head_dim == kHeadDim;
   bool const full_v_cols = p.head_dim_v == kHeadDimV;
   auto load_q_do = [&](BwdStep const& st, int stage) {
@@ -159,8 +158,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       float const* src = tidx < kBlockM ? b.dsoftmax_sum : b.lse_log2;
       SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(src[row_off + (in ? r : 0)], sD[stage * 2 * kBlockM + tidx], in);
     }
-    Tensor tQsQ_s = at_stage(tQsQ, stage * Traits::kSmemQ);
-    Tensor tdOsdO_s = at_stage(tdOsdO, stage * Traits::kSmemdO);
+    Tensor tQsQ_s = at_offset(tQsQ, stage * Traits::kSmemQ);
+    Tensor tdOsdO_s = at_offset(tdOsdO, stage * Traits::kSmemdO);
     // Whole tiles load unpredicated: the predicated copy's per-row branches, zero-fill stores and
     // address recomputation cost more instructions than the loads themselves.
     Tensor tQgQ = gmem_thr_qk.partition_S(get<0>(tiles));
@@ -186,12 +185,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
   auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
   auto thr_sdp_a = copy_sdp_a.get_thread_slice(tidx);
-  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
-  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
   auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
   auto thr_sdp_b = copy_sdp_b.get_thread_slice(tidx);
-  Tensor tSsK = thr_sdp_b.partition_S(sK);
-  Tensor tdPsV = thr_sdp_b.partition_S(sV);
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
   auto thr_pds = copy_pds.get_thread_slice(tidx);
@@ -207,12 +202,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtF);
   auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
   auto thr_dkv_a = copy_dkv_a.get_thread_slice(tidx);
-  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
-  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
   auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
   auto thr_dkv_b = copy_dkv_b.get_thread_slice(tidx);
-  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
-  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
   clear(acc_dk);
@@ -225,10 +216,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tdQrKt = thr_dq.partition_fragment_B(sKtF);
   auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
   auto thr_dq_a = copy_dq_a.get_thread_slice(tidx);
-  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
   auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
   auto thr_dq_b = copy_dq_b.get_thread_slice(tidx);
-  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
+
+  // ldmatrix sources of the ten operand tiles: with kXorSources one XOR-foldable base each
+  // (LdsmXorSource), else the tiled copies' own partitions, which keep one address register per
+  // (entry, k-slice) combination the compiler cannot relate, held through the walk (tile policy:
+  // BwdTile::ldsm_xor_below_arch). Q/dO (and their transposed views) are of stage 0; a step moves them
+  // to its stage with at_offset.
+#if defined(__CUDA_ARCH__)
+  constexpr bool kXorSources = FLASHTILE_AMPERE_BWD_XOR >= 0 ? FLASHTILE_AMPERE_BWD_XOR == 1 && kHeadDim <= 128 && kHeadDimV <= 128
+                                                             : __CUDA_ARCH__ < Traits::kTile.ldsm_xor_below_arch;
+#else
+  constexpr bool kXorSources = false;
+#endif
+  auto const src_q = make_ldsm_source<kXorSources>(thr_sdp_a, typename Traits::SmemLayoutQ{}, sQ.data().get());
+  auto const src_do = make_ldsm_source<kXorSources>(thr_sdp_a, typename Traits::SmemLayoutdO{}, sdO.data().get());
+  auto const src_k = make_ldsm_source<kXorSources>(thr_sdp_b, typename Traits::SmemLayoutK{}, sK.data().get());
+  auto const src_v = make_ldsm_source<kXorSources>(thr_sdp_b, typename Traits::SmemLayoutV{}, sV.data().get());
+  auto const src_pt = make_ldsm_source<kXorSources>(thr_dkv_a, typename Traits::SmemLayoutPdSt{}, sP.data().get());
+  auto const src_dst = make_ldsm_source<kXorSources>(thr_dkv_a, typename Traits::SmemLayoutPdSt{}, sdS.data().get());
+  auto const src_dot = make_ldsm_source<kXorSources>(thr_dkv_b, typename Traits::SmemLayoutdOt{}, sdO.data().get());
+  auto const src_qt = make_ldsm_source<kXorSources>(thr_dkv_b, typename Traits::SmemLayoutQt{}, sQ.data().get());
+  auto const src_ds = make_ldsm_source<kXorSources>(thr_dq_a, typename Traits::SmemLayoutPdS{}, sdS.data().get());
+  auto const src_kt = make_ldsm_source<kXorSources>(thr_dq_b, typename Traits::SmemLayoutKt{}, sK.data().get());
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   Tensor tScS_rc = rowcol(tScS);
@@ -266,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, at_stage(tSsQ, q_off), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+    gemm_ss(acc_s, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
     if constexpr (kHasSoftcap) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
@@ -314,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       }
       CUTE_UNROLL
       for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
-      gemm_ss_rows<kDpRowBlocks>(acc_dp, m0, tdPrdO, tdPrV, at_stage(tdPsdO, do_off), tdPsV, mma_sdp, copy_sdp_a,
+      gemm_ss_rows<kDpRowBlocks>(acc_dp, m0, tdPrdO, tdPrV, at_offset(src_do, do_off), src_v, mma_sdp, copy_sdp_a,
                                  copy_sdp_b, thr_sdp_a, thr_sdp_b);
       CUTE_UNROLL
       for (int r = 0; r < kDpRows; ++r) {
@@ -343,7 +354,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     auto dq_step = [&] {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
-      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, src_ds, src_kt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
       int* semaphore = nullptr;
       if (b.deterministic) {
         int n_block_lo, n_block_hi;
@@ -360,9 +371,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       if (b.deterministic) { pass_dq_turn(semaphore); }
     };
 
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, at_stage(tdVsdOt, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, src_pt, at_offset(src_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kDqFirst) { dq_step(); }
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, at_stage(tdKsQt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, src_dst, at_offset(src_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kQStages == 1) {
       __syncthreads();  // every thread is done with this step's Q and dO
       if (step + 1 < num_steps) { load_q_do(next(), 0); }

@@ -104,6 +104,30 @@ struct is_ldsm_xor_source : false_type {};
 template <class Swz, class Layout, class Element>
 struct is_ldsm_xor_source<LdsmXorSource<Swz, Layout, Element>> : true_type {};
 
+// The same source for a copy of its tile `elems` elements further on (a stage of a multi-buffered
+// tile: a whole number of swizzle periods, so the thread's offsets within it are unchanged).
+template <class Swz, class Layout, class Element>
+CUTE_DEVICE LdsmXorSource<Swz, Layout, Element> at_offset(LdsmXorSource<Swz, Layout, Element> src, int elems) {
+  src.tile += uint32_t(elems * int(sizeof(Element)));
+  return src;
+}
+
+template <class Engine, class Layout>
+CUTE_DEVICE auto at_offset(Tensor<Engine, Layout> const& t, int elems) {
+  return make_tensor(t.data() + elems, t.layout());
+}
+
+// The ldmatrix source of a shared-memory tile for a thread's copy slice: an LdsmXorSource (kXor) or
+// the copy's own partition.
+template <bool kXor, class ThrCopy, class TileLayout, class Element>
+CUTE_DEVICE auto make_ldsm_source(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element* tile) {
+  if constexpr (kXor) {
+    return make_ldsm_xor_source(thr_copy, tile_layout, tile);
+  } else {
+    return thr_copy.partition_S(make_tensor(make_smem_ptr(tile), tile_layout));
+  }
+}
+
 template <class TiledCopy>
 constexpr bool ldsm_is_trans() {
   using Traits = typename TiledCopy::Traits;
@@ -134,7 +158,8 @@ CUTE_DEVICE void copy_k_slice(TiledCopy const& tiled_copy, Src const& src, Tenso
   }
 }
 
-// acc = A * B^T with A and B both read from shared memory (S = Q K^T).
+// acc = A * B^T with A and B both read from shared memory (S = Q K^T); each source is the copy's
+// partition of the tile or an LdsmXorSource of it.
 template <class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
           class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
 CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
@@ -156,7 +181,7 @@ CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorS
 
 // Row blocks [m0, m0 + kRowBlocks) (mode 1 of the A and accumulator partitions) of gemm_ss:
 // acc(_, m, _) += A(m) * B^T. Fewer row blocks bound the accumulators live at once, at the cost of
-// reading B once per call; every accumulator still sums over k in the same order.
+// reading B once per call; every accumulator still sums over k in the same order. Sources as gemm_ss.
 template <int kRowBlocks, class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
           class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
 CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m0, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
@@ -164,15 +189,13 @@ CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m0, TensorRA& tCrA, TensorRB& 
                               CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
   Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
-  CUTE_UNROLL
-  for (int m = m0; m < m0 + kRowBlocks; ++m) { copy(copy_a, tCsA(_, m, _0{}), tCrA_view(_, m, _0{})); }
-  copy(copy_b, tCsB(_, _, _0{}), tCrB_view(_, _, _0{}));
+  copy_entries(copy_a, tCsA, tCrA_view, m0, m0 + kRowBlocks, 0);
+  copy_k_slice(copy_b, tCsB, tCrB_view, 0);
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
     if (k < size<2>(tCrA) - 1) {
-      CUTE_UNROLL
-      for (int m = m0; m < m0 + kRowBlocks; ++m) { copy(copy_a, tCsA(_, m, k + 1), tCrA_view(_, m, k + 1)); }
-      copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+      copy_entries(copy_a, tCsA, tCrA_view, m0, m0 + kRowBlocks, k + 1);
+      copy_k_slice(copy_b, tCsB, tCrB_view, k + 1);
     }
     CUTE_UNROLL
     for (int m = m0; m < m0 + kRowBlocks; ++m) {

@@ -100,8 +100,13 @@ struct BwdTile {
   int q_stages;     // Q/dO buffers: 2 loads the next query block during the whole current one
   int dp_whole_arch;  // from this __CUDA_ARCH__ on, the dP GEMM covers all of a warp's rows at once
                       // (V read once) rather than one 16-row block at a time (fewer accumulators
-                      // live): sm_80 code spills with it at d = 64 and 128, sm_90 code does not
-                      // (never under softcap)
+                      // live; never under softcap). sm_80 code fits it at d <= 128 only with the
+                      // XOR-folded ldmatrix sources below (12-32 B of spills without them)
+  int ldsm_xor_below_arch;  // below this __CUDA_ARCH__, ldmatrix sources are XOR-folded from one base
+                            // per tile (LdsmXorSource) rather than the tiled copies' partitions: sm_80
+                            // code at d <= 128 needs the registers; sm_90 code measured 2% faster
+                            // with the partitions (H100, d = 64 / 128); above d = 128 the folded
+                            // forms spill more
   bool dq_first_unmasked = false;  // without a mask, dQ's GEMM and reductions run between dV and dK
                                    // (the reductions drain under dK) rather than last; H100: d = 128
                                    // +1.5-2.4%, with the band mask -4%, d = 64 / 256 within +-1%
@@ -111,6 +116,11 @@ struct BwdTile {
 #ifndef FLASHTILE_AMPERE_BWD_DQ_FIRST
 #define FLASHTILE_AMPERE_BWD_DQ_FIRST -1
 #endif
+// Build-time override of BwdTile::ldsm_xor_below_arch: 0 never, 1 always (d <= 128: tests the sm_80
+// code's sources on sm_90), -1 policy.
+#ifndef FLASHTILE_AMPERE_BWD_XOR
+#define FLASHTILE_AMPERE_BWD_XOR -1
+#endif
 
 // Double-buffered Q/dO where the total stays within sm_80's 163 KB. d = 256 needs 208 KB for it, so
 // only devices with large_smem (sm_90: 227 KB) get it; elsewhere it is single-buffered and a step's
@@ -119,11 +129,11 @@ struct BwdTile {
 // at most 99 KB: d = 64: 97 KB, 96: 89 KB, 128 (one Q/dO stage): 81 KB, 192 (block_m 32): 81 KB,
 // 256 (32 x 32 on 4 warps, one stage): 68 KB.
 constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
-  return head_dim <= 64    ? BwdTile{64, 128, 8, 2, 4, 2, 2, 900}
-         : head_dim <= 96  ? BwdTile{64, 64, 8, 4, 4, 4, 2, 0}
-         : head_dim <= 128 ? BwdTile{64, 64, 8, 4, 2, 2, 1, 0}
-         : head_dim <= 192 ? BwdTile{32, 64, 8, 2, 2, 2, 1, 0}
-                           : BwdTile{32, 32, 4, 2, 2, 2, 1, 0};
+  return head_dim <= 64    ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900}
+         : head_dim <= 96  ? BwdTile{64, 64, 8, 4, 4, 4, 2, 0, 900}
+         : head_dim <= 128 ? BwdTile{64, 64, 8, 4, 2, 2, 1, 0, 900}
+         : head_dim <= 192 ? BwdTile{32, 64, 8, 2, 2, 2, 1, 0, 0}
+                           : BwdTile{32, 32, 4, 2, 2, 2, 1, 0, 0};
 }
 
 // Build-time override of the backward's small-tile choice, to test the small tiles on any device:
@@ -134,11 +144,11 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
-  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 900}
-         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 900}
-         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 900, true}
-         : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0}
-                           : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0};
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900}
+         : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
+         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, true}
+         : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}
+                           : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0};
 }
 
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V

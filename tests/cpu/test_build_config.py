@@ -638,7 +638,7 @@ def _small_bwd_tiles():
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_small_bwd_tile_fits_sm86_and_its_warp_layouts(d):
     # Mirrors BwdTraits::kSmemBytes: 16-bit Q/dO stages, K, V, P, dS, fp32 D and LSE per stage.
-    bm, bn, warps, wm_sdp, wn_dkv, wm_dq, q_stages, _ = _small_bwd_tiles()[d]
+    bm, bn, warps, wm_sdp, wn_dkv, wm_dq, q_stages, _, _ = _small_bwd_tiles()[d]
     smem = 2 * (q_stages * 2 * bm * d + 2 * bn * d + 2 * bm * bn) + 4 * q_stages * 2 * bm
     assert smem <= 99 * 1024  # sm_86 / sm_89 per-block opt-in maximum
     assert bm % _lib.BWD_SEMAPHORE_ROWS == 0  # deterministic-mode semaphores are per 32 query rows
