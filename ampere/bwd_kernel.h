@@ -225,8 +225,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   // BwdTile::ldsm_xor_below_arch). Q/dO (and their transposed views) are of stage 0; a step moves them
   // to its stage with at_offset.
 #if defined(__CUDA_ARCH__)
-  constexpr bool kXorSources = FLASHTILE_AMPERE_BWD_XOR >= 0 ? FLASHTILE_AMPERE_BWD_XOR == 1 && kHeadDim <= 128 && kHeadDimV <= 128
-                                                             : __CUDA_ARCH__ < Traits::kTile.ldsm_xor_below_arch;
+  // The override forces them only on tiles whose policy uses them on some arch.
+  constexpr bool kXorSources = FLASHTILE_AMPERE_BWD_XOR >= 0
+                                   ? FLASHTILE_AMPERE_BWD_XOR == 1 && Traits::kTile.ldsm_xor_below_arch > 0
+                                   : __CUDA_ARCH__ < Traits::kTile.ldsm_xor_below_arch;
 #else
   constexpr bool kXorSources = false;
 #endif

@@ -116,8 +116,8 @@ struct BwdTile {
 #ifndef FLASHTILE_AMPERE_BWD_DQ_FIRST
 #define FLASHTILE_AMPERE_BWD_DQ_FIRST -1
 #endif
-// Build-time override of BwdTile::ldsm_xor_below_arch: 0 never, 1 always (d <= 128: tests the sm_80
-// code's sources on sm_90), -1 policy.
+// Build-time override of BwdTile::ldsm_xor_below_arch: 0 never, 1 on every arch for the tiles that use
+// them on some (d <= 128: tests the sm_80 code's sources on sm_90), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_XOR
 #define FLASHTILE_AMPERE_BWD_XOR -1
 #endif
