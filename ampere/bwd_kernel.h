@@ -242,10 +242,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto const src_qt = make_ldsm_source<kXorSources>(thr_dkv_b, typename Traits::SmemLayoutQt{}, sQ.data().get());
   auto const src_ds = make_ldsm_source<kXorSources>(thr_dq_a, typename Traits::SmemLayoutPdS{}, sdS.data().get());
   auto const src_kt = make_ldsm_source<kXorSources>(thr_dq_b, typename Traits::SmemLayoutKt{}, sK.data().get());
+  // With kXorSources the code runs at the register limit (sm_80, d <= 128), and the dK/dV GEMMs'
+  // sources and the score coordinates held through the walk spilled (4-8 B): that code derives them
+  // each step from a re-read thread index instead. Other code uses the ones above.
+  auto step_dkv_sources = [&] {
+    if constexpr (kXorSources) {
+      int const t = thread_idx_reread();
+      auto const ta = copy_dkv_a.get_thread_slice(t);
+      auto const tb = copy_dkv_b.get_thread_slice(t);
+      return cute::make_tuple(make_ldsm_xor_source(ta, typename Traits::SmemLayoutPdSt{}, sP.data().get()),
+                              make_ldsm_xor_source(ta, typename Traits::SmemLayoutPdSt{}, sdS.data().get()),
+                              make_ldsm_xor_source(tb, typename Traits::SmemLayoutdOt{}, sdO.data().get()),
+                              make_ldsm_xor_source(tb, typename Traits::SmemLayoutQt{}, sQ.data().get()));
+    } else {
+      return cute::make_tuple(src_pt, src_dst, src_dot, src_qt);
+    }
+  };
+  auto step_score_coords = [&] {
+    if constexpr (kXorSources) {
+      return mma_sdp.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    } else {
+      return tScS;
+    }
+  };
 
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
-  Tensor tScS_rc = rowcol(tScS);
-  constexpr int kRowsPerBlock = decltype(size<0, 0>(tScS_rc))::value;  // rows per MMA_M row block
+  constexpr int kRowsPerBlock = decltype(size<0, 0>(rowcol(tScS)))::value;  // rows per MMA_M row block
 
   // Prologue: K, V and the first Q/dO tile.
   if (num_steps > 0) {
@@ -277,6 +299,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       cp_async_fence();
     }
 
+    Tensor const tScS_step = step_score_coords();
+    Tensor tScS_rc = rowcol(tScS_step);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
@@ -285,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
     }
     if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      apply_mask<kIsBand>(acc_s, tScS, mask, m_block * kBlockM, n_block * kBlockN);
+      apply_mask<kIsBand>(acc_s, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
     }
     Tensor scores = rowcol(acc_s);
 
@@ -373,9 +397,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       if (b.deterministic) { pass_dq_turn(semaphore); }
     };
 
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, src_pt, at_offset(src_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kDqFirst) { dq_step(); }
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, src_dst, at_offset(src_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
     if constexpr (kQStages == 1) {
       __syncthreads();  // every thread is done with this step's Q and dO
       if (step + 1 < num_steps) { load_q_do(next(), 0); }
