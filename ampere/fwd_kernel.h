@@ -69,12 +69,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
                           make_shape(seq.seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
   Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v) + seq.v_offset(p, bidb) + bidh_k * p.v_head_stride),
                           make_shape(seq.seqlen_k, Int<kHeadDimV>{}), make_stride(p.v_row_stride, _1{}));
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
-                          make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));   // (N, D, n)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));  // (N, Dv, n)
-  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
 
   extern __shared__ char smem_[];
   Element* smem = reinterpret_cast<Element*>(smem_);
@@ -307,6 +304,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
   __syncthreads();
 
+  // O's global tensor formed here, not held through the walk (held, its address spilled in sm_80 code).
+  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride),
+                          make_shape(seq.seqlen_q_alloc, Int<kHeadDimV>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   typename Traits::GmemTiledCopyO gmem_copy_o;
   auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx_e);
   Tensor tOsO = gmem_thr_o.partition_S(sO);
