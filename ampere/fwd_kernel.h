@@ -15,8 +15,9 @@
 // Register budget (the kernel runs at the 255-register limit): blocks that need a mask run their own
 // loop body, so unmasked blocks carry no always-issued selects; whole K/V tiles load unpredicated;
 // the ldmatrix addresses and the thread index are read from shared memory where they are needed
-// (see the stash below) instead of being held through the loop; the O rescale sits behind the
-// second barrier, in the PV GEMM's basic block, where its multiplies issue in the HMMAs' shadow.
+// (see the stash below) instead of being held through the loop, and O's global address is formed
+// only in the epilogue; the O rescale sits behind the second barrier, in the PV GEMM's basic block,
+// where its multiplies issue in the HMMAs' shadow.
 #pragma once
 
 #include <cute/tensor.hpp>
