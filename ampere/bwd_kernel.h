@@ -244,7 +244,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   auto const src_kt = make_ldsm_source<kXorSources>(thr_dq_b, typename Traits::SmemLayoutKt{}, sK.data().get());
   // With kXorSources the code runs at the register limit (sm_80, d <= 128), and the dK/dV GEMMs'
   // sources and the score coordinates held through the walk spilled (4-8 B): that code derives them
-  // each step from a re-read thread index instead. Other code uses the ones above.
+  // each step from a re-read thread index instead. Other code uses the ones above, kept as separate
+  // variables: held as one tuple (shared with the per-step form), they changed sm_90's allocation
+  // (d 128 band + softcap 60 -> 64 B of spills).
   auto step_dkv_sources = [&] {
     if constexpr (kXorSources) {
       int const t = thread_idx_reread();
