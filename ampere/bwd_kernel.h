@@ -176,20 +176,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     }
   };
 
-  // S = Q K^T and dP = dO V^T.
+  // S = Q K^T and dP = dO V^T. Under kSdpSplit the first kSdpThreads threads compute S and the rest dP,
+  // each half over the whole tile with the same partition (thread t + kSdpThreads holds dP where
+  // thread t holds S).
+  constexpr int kSdpThreads = Traits::kSdpWarps * 32;
+  int const sdp_tidx = Traits::kSdpSplit ? tidx % kSdpThreads : tidx;
   typename Traits::TiledMmaSdP mma_sdp;
-  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_sdp = mma_sdp.get_thread_slice(sdp_tidx);
   Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
   Tensor tSrK = thr_sdp.partition_fragment_B(sK);
   Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
   Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
   auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tidx);
+  auto thr_sdp_a = copy_sdp_a.get_thread_slice(sdp_tidx);
   auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tidx);
+  auto thr_sdp_b = copy_sdp_b.get_thread_slice(sdp_tidx);
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_sdp);
-  auto thr_pds = copy_pds.get_thread_slice(tidx);
+  auto thr_pds = copy_pds.get_thread_slice(sdp_tidx);
   Tensor tPsP = thr_pds.partition_D(sP);
   Tensor tdSsdS = thr_pds.partition_D(sdS);
 
@@ -282,6 +286,81 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     cp_async_fence();
   }
 
+  // kSdpSplit: a step's P and dS. S threads: S = Q K^T, P (stored, and passed on with its tanh
+  // derivative folded in); dP threads: dP = dO V^T, then dS = P (dP - D) once P is passed.
+  auto sdp_split_step = [&](int m_block, int q_off, int do_off, float const* stage_d, float const* stage_lse) {
+    static_assert(!kXorSources, "the split tiles use the tiled copies' own ldmatrix sources");
+    // P (fp32, times the tanh derivative under softcap) from the S threads to the dP threads, one
+    // 16-byte vector per thread and 16x8 atom: [atom][sdp thread], conflict-free on both sides.
+    float4* const sPmail = reinterpret_cast<float4*>(sD + kQStages * 2 * kBlockM) + sdp_tidx;
+    Tensor acc = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((4), MMA_M, MMA_N)
+    constexpr int kMmaM = decltype(size<1>(acc))::value;
+    constexpr int kMmaN = decltype(size<2>(acc))::value;
+    static_assert(decltype(size<0>(acc))::value == 4);
+    // sm_8x code derives the score coordinates from a re-read thread index (held across the walk they
+    // spilled 4 B under the band mask); sm_90 code, measured with them held, keeps them.
+    auto const tScS_step = [&] {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+      return mma_sdp.get_thread_slice(thread_idx_reread() % kSdpThreads)
+          .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+#else
+      return tScS;
+#endif
+    }();
+    auto row_of = [&](int e, int m, int n) { return get<0>(tScS_step(e, m, n)); };
+    clear(acc);
+    if (tidx < kSdpThreads) {
+      gemm_ss(acc, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      if constexpr (kHasSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc); ++i) { acc(i) = tanhf(acc(i) * params.fwd.softcap_scale); }
+      }
+      if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+        apply_mask<kIsBand>(acc, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
+      }
+      // LSE in the exp2 domain; rows past seqlen_q get +inf, so P = 0 there.
+      auto lse_of = [&](int row) { return m_block * kBlockM + row < seq.seqlen_q ? stage_lse[row] : INFINITY; };
+      CUTE_UNROLL
+      for (int n = 0; n < kMmaN; ++n) {
+        CUTE_UNROLL
+        for (int m = 0; m < kMmaM; ++m) {
+          float pass[4];
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            float const t = acc(e, m, n);
+            float const pr = exp2f(t * params.fwd.scale_log2 - lse_of(row_of(e, m, n)));
+            // Under softcap P t' (t' = 1 - t^2; a masked entry, t = -inf, has P = 0 and keeps it).
+            pass[e] = kHasSoftcap ? pr * (t == -INFINITY ? 1.f : 1.f - t * t) : pr;
+            acc(e, m, n) = pr;
+          }
+          sPmail[(m + kMmaM * n) * kSdpThreads] = make_float4(pass[0], pass[1], pass[2], pass[3]);
+        }
+      }
+      Tensor rP = make_tensor<Element>(acc.layout());
+      CUTE_UNROLL
+      for (int m = 0; m < kMmaM; ++m) { convert_rows(acc, rP, m); }
+      copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+      named_barrier_arrive<Traits::kNThreads>(1);
+    } else {
+      gemm_ss(acc, tdPrdO, tdPrV, at_offset(src_do, do_off), src_v, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      named_barrier_sync<Traits::kNThreads>(1);  // P passed
+      CUTE_UNROLL
+      for (int n = 0; n < kMmaN; ++n) {
+        CUTE_UNROLL
+        for (int m = 0; m < kMmaM; ++m) {
+          float4 const v = sPmail[(m + kMmaM * n) * kSdpThreads];
+          float const pr[4] = {v.x, v.y, v.z, v.w};
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) { acc(e, m, n) = pr[e] * (acc(e, m, n) - stage_d[row_of(e, m, n)]); }
+        }
+      }
+      Tensor rdS = make_tensor<Element>(acc.layout());
+      CUTE_UNROLL
+      for (int m = 0; m < kMmaM; ++m) { convert_rows(acc, rdS, m); }
+      copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+    }
+  };
+
   BwdStep st(bidh_k, group, m_block_min);
   for (int step = 0; step < num_steps; ++step) {
     int const bidh = st.bidh, m_block = st.m_block;
@@ -301,79 +380,83 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       cp_async_fence();
     }
 
-    Tensor const tScS_step = step_score_coords();
-    Tensor tScS_rc = rowcol(tScS_step);
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-    if constexpr (kHasSoftcap) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
-    }
-    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-      apply_mask<kIsBand>(acc_s, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
-    }
-    Tensor scores = rowcol(acc_s);
+    if constexpr (Traits::kSdpSplit) {
+      sdp_split_step(m_block, q_off, do_off, stage_d, stage_lse);
+    } else {
+      Tensor const tScS_step = step_score_coords();
+      Tensor tScS_rc = rowcol(tScS_step);
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(acc_s, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      if constexpr (kHasSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
+      }
+      if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+        apply_mask<kIsBand>(acc_s, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
+      }
+      Tensor scores = rowcol(acc_s);
 
-    // P, dP and dS in groups of kDpRowBlocks row blocks (MMA_M index): the whole tile reads V once in
-    // the dP GEMM; one row block at a time bounds the P and dP accumulators live at once (the tile
-    // policy's choice; always under softcap, whose tanh values stay live instead of a second fragment
-    // for the tanh derivative).
-    Tensor acc_p = make_fragment_like(acc_s);
-    Tensor probs = rowcol(acc_p);
-    Tensor rP = make_tensor<Element>(acc_p.layout());
-    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor dp = rowcol(acc_dp);
-    Tensor rdS = make_tensor<Element>(acc_dp.layout());
-    constexpr int kMBlocks = decltype(size<1>(acc_dp))::value;
-#if defined(__CUDA_ARCH__)
-    constexpr bool kDpWhole = __CUDA_ARCH__ >= Traits::kDpWholeArch && !kHasSoftcap;
-#else
-    constexpr bool kDpWhole = false;
-#endif
-    constexpr int kDpRowBlocks = kDpWhole ? kMBlocks : 1;
-    constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
-    CUTE_UNROLL
-    for (int m0 = 0; m0 < kMBlocks; m0 += kDpRowBlocks) {
+      // P, dP and dS in groups of kDpRowBlocks row blocks (MMA_M index): the whole tile reads V once in
+      // the dP GEMM; one row block at a time bounds the P and dP accumulators live at once (the tile
+      // policy's choice; always under softcap, whose tanh values stay live instead of a second fragment
+      // for the tanh derivative).
+      Tensor acc_p = make_fragment_like(acc_s);
+      Tensor probs = rowcol(acc_p);
+      Tensor rP = make_tensor<Element>(acc_p.layout());
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor dp = rowcol(acc_dp);
+      Tensor rdS = make_tensor<Element>(acc_dp.layout());
+      constexpr int kMBlocks = decltype(size<1>(acc_dp))::value;
+  #if defined(__CUDA_ARCH__)
+      constexpr bool kDpWhole = __CUDA_ARCH__ >= Traits::kDpWholeArch && !kHasSoftcap;
+  #else
+      constexpr bool kDpWhole = false;
+  #endif
+      constexpr int kDpRowBlocks = kDpWhole ? kMBlocks : 1;
+      constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
       CUTE_UNROLL
-      for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
+      for (int m0 = 0; m0 < kMBlocks; m0 += kDpRowBlocks) {
         CUTE_UNROLL
-        for (int r = 0; r < kRowsPerBlock; ++r) {
-          int const mi = r + m * kRowsPerBlock;
-          // LSE in the exp2 domain; rows past seqlen_q get +inf, so P = 0 there.
-          int const row = get<0>(tScS_rc(mi, 0));
-          float const lse_log2 = m_block * kBlockM + row < seq.seqlen_q ? stage_lse[row] : INFINITY;
+        for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(probs); ++ni) {
-            probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2);
+          for (int r = 0; r < kRowsPerBlock; ++r) {
+            int const mi = r + m * kRowsPerBlock;
+            // LSE in the exp2 domain; rows past seqlen_q get +inf, so P = 0 there.
+            int const row = get<0>(tScS_rc(mi, 0));
+            float const lse_log2 = m_block * kBlockM + row < seq.seqlen_q ? stage_lse[row] : INFINITY;
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(probs); ++ni) {
+              probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2);
+            }
           }
+          convert_rows(acc_p, rP, m);
+          copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
         }
-        convert_rows(acc_p, rP, m);
-        copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
-      }
-      CUTE_UNROLL
-      for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
-      gemm_ss_rows<kDpRowBlocks>(acc_dp, m0, tdPrdO, tdPrV, at_offset(src_do, do_off), src_v, mma_sdp, copy_sdp_a,
-                                 copy_sdp_b, thr_sdp_a, thr_sdp_b);
-      CUTE_UNROLL
-      for (int r = 0; r < kDpRows; ++r) {
-        int const mi = r + m0 * kRowsPerBlock;
-        float const dsum = stage_d[get<0>(tScS_rc(mi, 0))];
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(dp); ++ni) {
-          float ds = probs(mi, ni) * (dp(mi, ni) - dsum);
-          if constexpr (kHasSoftcap) {
-            // d tanh = 1 - t^2; a masked entry (t = -inf) has P = 0 and keeps its +-0 dS.
-            float const t = scores(mi, ni);
-            ds *= t == -INFINITY ? 1.f : 1.f - t * t;
+        for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
+        gemm_ss_rows<kDpRowBlocks>(acc_dp, m0, tdPrdO, tdPrV, at_offset(src_do, do_off), src_v, mma_sdp, copy_sdp_a,
+                                   copy_sdp_b, thr_sdp_a, thr_sdp_b);
+        CUTE_UNROLL
+        for (int r = 0; r < kDpRows; ++r) {
+          int const mi = r + m0 * kRowsPerBlock;
+          float const dsum = stage_d[get<0>(tScS_rc(mi, 0))];
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(dp); ++ni) {
+            float ds = probs(mi, ni) * (dp(mi, ni) - dsum);
+            if constexpr (kHasSoftcap) {
+              // d tanh = 1 - t^2; a masked entry (t = -inf) has P = 0 and keeps its +-0 dS.
+              float const t = scores(mi, ni);
+              ds *= t == -INFINITY ? 1.f : 1.f - t * t;
+            }
+            dp(mi, ni) = ds;
           }
-          dp(mi, ni) = ds;
         }
-      }
-      CUTE_UNROLL
-      for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
-        convert_rows(acc_dp, rdS, m);
-        copy(copy_pds, thr_pds.retile_S(rdS)(_, m, _), tdSsdS(_, m, _));
+        CUTE_UNROLL
+        for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
+          convert_rows(acc_dp, rdS, m);
+          copy(copy_pds, thr_pds.retile_S(rdS)(_, m, _), tdSsdS(_, m, _));
+        }
       }
     }
     __syncthreads();  // P and dS visible

@@ -32,10 +32,13 @@ struct BwdTraits {
   static_assert(kBlockM % FT_BWD_SEMAPHORE_ROWS == 0, "dq_semaphore is indexed in units of FT_BWD_SEMAPHORE_ROWS");
 
   // Each warp takes 16 x 16 of every tile step (two 16x8 atoms along N: one x4 ldmatrix for B).
-  template <int kWarpsM>
-  using TiledMmaWarps = TiledMMA<MmaAtomF32<Element>, Layout<Shape<Int<kWarpsM>, Int<kNWarps / kWarpsM>, _1>>,
-                                 Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
-  using TiledMmaSdP = TiledMmaWarps<kTile.warps_m_sdp>;  // (block_m, block_n), K = d
+  template <int kWarpsM, int kWarps = kNWarps>
+  using TiledMmaWarps = TiledMMA<MmaAtomF32<Element>, Layout<Shape<Int<kWarpsM>, Int<kWarps / kWarpsM>, _1>>,
+                                 Tile<Int<16 * kWarpsM>, Int<16 * (kWarps / kWarpsM)>, _16>>;
+  // kSdpSplit: S and dP each on half the warps (BwdTile::sdp_split).
+  static constexpr bool kSdpSplit = kTile.sdp_split;
+  static constexpr int kSdpWarps = kSdpSplit ? kNWarps / 2 : kNWarps;
+  using TiledMmaSdP = TiledMmaWarps<kTile.warps_m_sdp, kSdpWarps>;  // (block_m, block_n), K = d
   using TiledMmadKV = TiledMmaWarps<kTile.warps_n_dkv>;  // (block_n, d),       K = block_m
   using TiledMmadQ = TiledMmaWarps<kTile.warps_m_dq>;    // (block_m, d),       K = block_n
 
@@ -67,7 +70,8 @@ struct BwdTraits {
   static constexpr int kSmemPdS = cosize(SmemLayoutPdS{});
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * (kQStages * (kSmemQ + kSmemdO) + kSmemK + kSmemV + 2 * kSmemPdS) +
-      int(sizeof(float)) * kQStages * 2 * kBlockM;  // D and LSE of each stage's rows
+      int(sizeof(float)) * kQStages * 2 * kBlockM +  // D and LSE of each stage's rows
+      int(sizeof(float)) * (kSdpSplit ? kBlockM * kBlockN : 0);  // P for the dP warps
 };
 
 }  // namespace flashtile::ampere

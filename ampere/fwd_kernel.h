@@ -154,10 +154,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     Tensor c = rowcol(tiled_mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
     return get<0>(c(r, 0));
   };
-  // Raw bar.sync: cutlass::arch::NamedBarrier compiles to a trap below sm_90. Id 0 is __syncthreads'.
-  auto pair_sync = [&](int t) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + t / 32 % Traits::kWarpsM), "n"(64) : "memory");
-  };
+  auto pair_sync = [&](int t) { named_barrier_sync<64>(1 + t / 32 % Traits::kWarpsM); };
   // The block's row maxima combined with the pair warp's (one lane per quad writes its four rows).
   auto pair_row_max = [&](float (&block_max)[kRowsPerThread]) {
     int const t = stashed_tidx();

@@ -20,6 +20,17 @@ namespace flashtile::ampere {
 
 using namespace cute;
 
+// Named barriers as raw bar.sync / bar.arrive: cutlass::arch::NamedBarrier compiles to a trap below
+// sm_90. Id 0 is __syncthreads'; kThreads counts every thread of the barrier, arrivals included.
+template <int kThreads>
+CUTE_DEVICE void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+template <int kThreads>
+CUTE_DEVICE void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
 // ldmatrix from a swizzled tile with XOR-folded addresses. tP is a thread's partition (CPY, M, K) of
 // the tile's unswizzled layout (pointer: tile + t, t the thread's element offset; static layout L);
 // the swizzled tile holds element e at Swz(e). When every L(0, m, k) = x + a with x only in Swz's

@@ -88,8 +88,8 @@ constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_pe
 // measured +0-2% on an H100 and left the sm_90 code without the 4 / 8 B of spills.
 // The column tile of each layout must divide its GEMM's width (hence d = 96 keeps dQ on 4 x 2).
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
-// 16-bit, + D (fp32) per stage: d = 64: 161 KB, d = 96: 128 KB, d = 128: 161 KB, d = 192: 161 KB,
-// d = 256: 144 KB (208 KB with large_smem).
+// 16-bit, + D (fp32) per stage, + the fp32 P buffer of sdp_split: d = 64: 161 KB, d = 96: 128 KB,
+// d = 128: 161 KB, d = 192: 161 KB, d = 256: 161 KB (one stage, split).
 struct BwdTile {
   int block_m;
   int block_n;
@@ -110,11 +110,22 @@ struct BwdTile {
   bool dq_first_unmasked = false;  // without a mask, dQ's GEMM and reductions run between dV and dK
                                    // (the reductions drain under dK) rather than last; H100: d = 128
                                    // +1.5-2.4%, with the band mask -4%, d = 64 / 256 within +-1%
+  // S on the first half of the warps and dP on the second, each over the whole block_m x block_n tile
+  // (warps_m_sdp x (num_warps / 2 / warps_m_sdp)); P (times the tanh derivative under softcap) goes
+  // to the dP warps through a block_m x block_n fp32 buffer in shared memory. Each warp's tile is
+  // twice as large, so the two GEMMs read a third fewer operand bytes (d = 256, 64 x 64 on 8 warps:
+  // 384 -> 256 KB of ldmatrix per step, of ~680 KB in all).
+  bool sdp_split = false;
 };
 
 // Build-time override of BwdTile::dq_first_unmasked: 0 never, 1 always (with or without a mask), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_DQ_FIRST
 #define FLASHTILE_AMPERE_BWD_DQ_FIRST -1
+#endif
+// Build-time override of BwdTile::sdp_split: 0 never (d = 256 then runs its earlier unsplit tiles:
+// one stage, two with large_smem), -1 policy.
+#ifndef FLASHTILE_AMPERE_BWD_SDP_SPLIT
+#define FLASHTILE_AMPERE_BWD_SDP_SPLIT -1
 #endif
 // Build-time override of BwdTile::ldsm_xor_below_arch: 0 never, 1 on every arch for the tiles that use
 // them on some (d <= 128: tests the sm_80 code's sources on sm_90), -1 policy.
@@ -122,9 +133,8 @@ struct BwdTile {
 #define FLASHTILE_AMPERE_BWD_XOR -1
 #endif
 
-// Double-buffered Q/dO where the total stays within sm_80's 163 KB. d = 256 needs 208 KB for it, so
-// only devices with large_smem (sm_90: 227 KB) get it; elsewhere it is single-buffered and a step's
-// Q/dO load has only the dQ GEMM to land behind.
+// Double-buffered Q/dO where the total stays within sm_80's 163 KB; d = 256 (split, below) is
+// single-buffered everywhere, so a step's Q/dO load has only the dQ GEMM to land behind.
 // small_smem: devices whose blocks get less than these tiles need (sm_86 / sm_89: 99 KB) take tiles of
 // at most 99 KB: d = 64: 97 KB, 96: 89 KB, 128 (one Q/dO stage): 81 KB, 192 (block_m 32): 81 KB,
 // 256 (32 x 32 on 4 warps, one stage): 68 KB.
@@ -142,13 +152,20 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 #define FLASHTILE_AMPERE_BWD_SMALL -1
 #endif
 
+// d = 256 splits S / dP (sdp_split) on one Q/dO stage on every device (161 KB, within sm_80's
+// 163 KB). Measured on an H100 (benchmarks/NOTES.md, session 31): with the sm_80 tile forced there,
+// +3.5-4% non-causal and +1-2% causal over the unsplit one-stage tile; as the policy, +1-2% non-causal
+// and +0-2% causal over the unsplit double-buffered 209 KB tile that large_smem devices ran before
+// (whose split form spilled 68-80 B and lost 4%). d = 192 keeps its unsplit double-buffered tile:
+// split (177 KB) it measured 0-3% slower.
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
   return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}
-                           : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0};
+         : FLASHTILE_AMPERE_BWD_SDP_SPLIT != 0 ? BwdTile{64, 64, 8, 2, 2, 2, 1, 0, 0, false, true}
+                                               : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0};
 }
 
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
