@@ -12,6 +12,9 @@
 // reductions drain while dK computes. D of each step's rows is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
+// d = 256 (BwdTile::sdp_split): S and dP each run on half of the warps over the whole tile (larger
+// warp tiles, fewer ldmatrix bytes); the S warps pass P to the dP warps through shared memory and a
+// named barrier.
 // Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
 // right after step s's opening barrier, into the buffers step s - 1 used, so it has a whole step to
 // land; one cp.async group per step.
@@ -109,8 +112,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   extern __shared__ char smem_[];
   Element* smem = reinterpret_cast<Element*>(smem_);
-  // [Q x kQStages][dO x kQStages][K][V][P][dS][(D, LSE) x kQStages (fp32)]; a stage is a whole number of
-  // swizzle periods, so a partition of stage 0 plus the stage's offset is the same partition of that stage.
+  // [Q x kQStages][dO x kQStages][K][V][P][dS][(D, LSE) x kQStages (fp32)][P passed (fp32, kSdpSplit)];
+  // a stage is a whole number of swizzle periods, so a partition of stage 0 plus the stage's offset is
+  // the same partition of that stage.
   constexpr int kQStages = Traits::kQStages;
   constexpr int kOffdO = kQStages * Traits::kSmemQ;
   constexpr int kOffK = kOffdO + kQStages * Traits::kSmemdO;
@@ -408,11 +412,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       Tensor dp = rowcol(acc_dp);
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       constexpr int kMBlocks = decltype(size<1>(acc_dp))::value;
-  #if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__)
       constexpr bool kDpWhole = __CUDA_ARCH__ >= Traits::kDpWholeArch && !kHasSoftcap;
-  #else
+#else
       constexpr bool kDpWhole = false;
-  #endif
+#endif
       constexpr int kDpRowBlocks = kDpWhole ? kMBlocks : 1;
       constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
       CUTE_UNROLL
