@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   // kSdpSplit: a step's P and dS. S threads: S = Q K^T, P (stored, and passed on with its tanh
   // derivative folded in); dP threads: dP = dO V^T, then dS = P (dP - D) once P is passed.
   auto sdp_split_step = [&](int m_block, int q_off, int do_off, float const* stage_d, float const* stage_lse) {
-    static_assert(!kXorSources, "the split tiles use the tiled copies' own ldmatrix sources");
+    static_assert(!Traits::kSdpSplit || !kXorSources, "the split tiles use the tiled copies' own ldmatrix sources");
     // P (fp32, times the tanh derivative under softcap) from the S threads to the dP threads, one
     // 16-byte vector per thread and 16x8 atom: [atom][sdp thread], conflict-free on both sides.
     float4* const sPmail = reinterpret_cast<float4*>(sD + kQStages * 2 * kBlockM) + sdp_tidx;
