@@ -268,15 +268,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       return cute::make_tuple(src_pt, src_dst, src_dot, src_qt);
     }
   };
+  // The split tile's sm_8x code derives its score coordinates per step too (held, they spilled 4 B
+  // under the band mask); its sm_90 code, measured with them held, keeps them.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kStepCoords = kXorSources || Traits::kSdpSplit;
+#else
+  constexpr bool kStepCoords = kXorSources;
+#endif
   auto step_score_coords = [&] {
-    if constexpr (kXorSources) {
-      return mma_sdp.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    if constexpr (kStepCoords) {
+      int const t = thread_idx_reread();
+      return mma_sdp.get_thread_slice(Traits::kSdpSplit ? t % kSdpThreads : t)
+          .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     } else {
       return tScS;
     }
   };
-
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+  // Softcap, then the band / sequence-end mask where the block needs it, on a step's scores.
+  auto prepare_scores = [&](auto& acc, auto const& coords, int m_block) {
+    if constexpr (kHasSoftcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) { acc(i) = tanhf(acc(i) * params.fwd.softcap_scale); }
+    }
+    if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
+      apply_mask<kIsBand>(acc, coords, mask, m_block * kBlockM, n_block * kBlockN);
+    }
+  };
+
   constexpr int kRowsPerBlock = decltype(size<0, 0>(rowcol(tScS)))::value;  // rows per MMA_M row block
 
   // Prologue: K, V and the first Q/dO tile.
@@ -301,27 +320,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     constexpr int kMmaM = decltype(size<1>(acc))::value;
     constexpr int kMmaN = decltype(size<2>(acc))::value;
     static_assert(decltype(size<0>(acc))::value == 4);
-    // sm_8x code derives the score coordinates from a re-read thread index (held across the walk they
-    // spilled 4 B under the band mask); sm_90 code, measured with them held, keeps them.
-    auto const tScS_step = [&] {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-      return mma_sdp.get_thread_slice(thread_idx_reread() % kSdpThreads)
-          .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-#else
-      return tScS;
-#endif
-    }();
+    Tensor const tScS_step = step_score_coords();
     auto row_of = [&](int e, int m, int n) { return get<0>(tScS_step(e, m, n)); };
     clear(acc);
     if (tidx < kSdpThreads) {
       gemm_ss(acc, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-      if constexpr (kHasSoftcap) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc); ++i) { acc(i) = tanhf(acc(i) * params.fwd.softcap_scale); }
-      }
-      if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-        apply_mask<kIsBand>(acc, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
-      }
+      prepare_scores(acc, tScS_step, m_block);
       // LSE in the exp2 domain; rows past seqlen_q get +inf, so P = 0 there.
       auto lse_of = [&](int row) { return m_block * kBlockM + row < seq.seqlen_q ? stage_lse[row] : INFINITY; };
       CUTE_UNROLL
@@ -392,13 +396,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_ss(acc_s, tSrQ, tSrK, at_offset(src_q, q_off), src_k, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-      if constexpr (kHasSoftcap) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = tanhf(acc_s(i) * params.fwd.softcap_scale); }
-      }
-      if (mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN)) {
-        apply_mask<kIsBand>(acc_s, tScS_step, mask, m_block * kBlockM, n_block * kBlockN);
-      }
+      prepare_scores(acc_s, tScS_step, m_block);
       Tensor scores = rowcol(acc_s);
 
       // P, dP and dS in groups of kDpRowBlocks row blocks (MMA_M index): the whole tile reads V once in
