@@ -14,13 +14,14 @@
 // expanded K/V.
 // d = 256 (BwdTile::sdp_split): S and dP each run on half of the warps over the whole tile (larger
 // warp tiles, fewer ldmatrix bytes); the S warps pass P to the dP warps through shared memory and a
-// named barrier.
+// named barrier. dK/dV split the same way (BwdTile::dkv_split): the S warps run dV as soon as their
+// own P is stored, while the dP warps form dS and then run dK.
 // Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
 // right after step s's opening barrier, into the buffers step s - 1 used, so it has a whole step to
 // land; one cp.async group per step.
 // Synchronization: after each wait for Q/dO (which is also where every thread is done with the
-// previous step); after P/dS are written; single-buffered, also after the dK/dV GEMMs, before the
-// next Q/dO load overwrites their operands.
+// previous step); after P/dS are written (dkv_split: each half after its own, on named barriers 2 and
+// 3); single-buffered, also after the dK/dV GEMMs, before the next Q/dO load overwrites their operands.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -63,8 +64,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
-  constexpr bool kDqFirst = FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0 ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
-                                                                : Traits::kTile.dq_first_unmasked && !kIsBand;
+  constexpr bool kDqFirst = !Traits::kDkvSplit && (FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0
+                                                        ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
+                                                        : Traits::kTile.dq_first_unmasked && !kIsBand);
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
@@ -201,17 +203,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   Tensor tPsP = thr_pds.partition_D(sP);
   Tensor tdSsdS = thr_pds.partition_D(sdS);
 
-  // dV += P^T dO and dK += dS^T Q.
+  // dV += P^T dO and dK += dS^T Q. Under kDkvSplit the S threads accumulate dV and the dP threads dK,
+  // each half over the whole tile in acc_dk (the tiles coincide; acc_dv is unused).
+  int const dkv_tidx = Traits::kDkvSplit ? tidx % kSdpThreads : tidx;
+  bool const dk_half = Traits::kDkvSplit && tidx >= kSdpThreads;
   typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(dkv_tidx);
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtF);
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOtF);
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sPtF);
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtF);
   auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tidx);
+  auto thr_dkv_a = copy_dkv_a.get_thread_slice(dkv_tidx);
   auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tidx);
+  auto thr_dkv_b = copy_dkv_b.get_thread_slice(dkv_tidx);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDimV>>{});
   clear(acc_dk);
@@ -461,7 +466,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         }
       }
     }
-    __syncthreads();  // P and dS visible
+    // Without kDkvSplit every thread waits for all of P and dS; with it each half waits for its own P or
+    // dS only (named barrier 2 or 3) and runs its GEMM while the other half finishes.
+    if constexpr (!Traits::kDkvSplit) { __syncthreads(); }
 
     // dQ = dS K, added to the fp32 accumulator.
     auto dq_step = [&] {
@@ -484,12 +491,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       if (b.deterministic) { pass_dq_turn(semaphore); }
     };
 
-    auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-    if constexpr (kDqFirst) { dq_step(); }
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+    if constexpr (Traits::kDkvSplit) {
+      // dV = P^T dO on the S threads, dK = dS^T Q on the dP threads: one call, the operands offset from
+      // P^T to dS^T and from dO^T to Q^T (same tile layouts) on the dP threads.
+      named_barrier_sync<kSdpThreads>(2 + int(dk_half));
+      gemm_ss(acc_dk, tdVrPt, tdVrdOt, at_offset(src_pt, dk_half ? kOffdS - kOffP : 0),
+              at_offset(src_dot, dk_half ? q_off - kOffdO : do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      __syncthreads();  // dS visible to every thread (dQ); every thread is done with this step's Q and dO
+    } else {
+      auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
+      gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      if constexpr (kDqFirst) { dq_step(); }
+      gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      if constexpr (kQStages == 1) { __syncthreads(); }  // every thread is done with this step's Q and dO
+    }
     if constexpr (kQStages == 1) {
-      __syncthreads();  // every thread is done with this step's Q and dO
       if (step + 1 < num_steps) { load_q_do(next(), 0); }
       cp_async_fence();
     }
@@ -498,15 +514,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   }
 
   // Epilogue: dK (scaled once here) and dV through shared memory (K's and V's regions) to global.
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }
-  Tensor rdK = convert_fragment<Element>(acc_dk);
-  Tensor rdV = convert_fragment<Element>(acc_dv);
-  __syncthreads();  // every thread is done reading K (dQ GEMM) and V
   auto copy_dkv_store = make_tiled_copy_C(typename Traits::SmemCopyAtomStore{}, mma_dkv);
-  auto thr_dkv_store = copy_dkv_store.get_thread_slice(tidx);
-  copy(copy_dkv_store, thr_dkv_store.retile_S(rdK), thr_dkv_store.partition_D(sK));
-  copy(copy_dkv_store, thr_dkv_store.retile_S(rdV), thr_dkv_store.partition_D(sV));
+  auto thr_dkv_store = copy_dkv_store.get_thread_slice(dkv_tidx);
+  if constexpr (Traits::kDkvSplit) {
+    float const scale = dk_half ? p.softmax_scale : 1.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= scale; }
+    Tensor rdKV = convert_fragment<Element>(acc_dk);
+    __syncthreads();  // every thread is done reading K (dQ GEMM) and V
+    copy(copy_dkv_store, thr_dkv_store.retile_S(rdKV), at_offset(thr_dkv_store.partition_D(sV), dk_half ? kOffK - kOffV : 0));
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }
+    Tensor rdK = convert_fragment<Element>(acc_dk);
+    Tensor rdV = convert_fragment<Element>(acc_dv);
+    __syncthreads();  // every thread is done reading K (dQ GEMM) and V
+    copy(copy_dkv_store, thr_dkv_store.retile_S(rdK), thr_dkv_store.partition_D(sK));
+    copy(copy_dkv_store, thr_dkv_store.retile_S(rdV), thr_dkv_store.partition_D(sV));
+  }
   __syncthreads();
 
   int const rows_k = seq.seqlen_k - n_block * kBlockN;

@@ -21,7 +21,8 @@ struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kLargeSmem, kSmallSmem);
+  static constexpr BwdTile kTile = ampere_bwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kLargeSmem, kSmallSmem,
+                                                       kHeadDim == kHeadDimV);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;
@@ -38,8 +39,12 @@ struct BwdTraits {
   // kSdpSplit: S and dP each on half the warps (BwdTile::sdp_split).
   static constexpr bool kSdpSplit = kTile.sdp_split;
   static constexpr int kSdpWarps = kSdpSplit ? kNWarps / 2 : kNWarps;
+  // kDkvSplit: dV on the S warps, dK on the dP warps (BwdTile::dkv_split); their tiles then coincide.
+  static constexpr bool kDkvSplit = kTile.dkv_split;
+  static_assert(!kDkvSplit || (kSdpSplit && kHeadDim == kHeadDimV));
+  static constexpr int kDkvWarps = kDkvSplit ? kNWarps / 2 : kNWarps;
   using TiledMmaSdP = TiledMmaWarps<kTile.warps_m_sdp, kSdpWarps>;  // (block_m, block_n), K = d
-  using TiledMmadKV = TiledMmaWarps<kTile.warps_n_dkv>;  // (block_n, d),       K = block_m
+  using TiledMmadKV = TiledMmaWarps<kTile.warps_n_dkv, kDkvWarps>;  // (block_n, d), K = block_m
   using TiledMmadQ = TiledMmaWarps<kTile.warps_m_dq>;    // (block_m, d),       K = block_n
 
   using SmemLayoutQ = SmemLayoutTile<kBlockM, kHeadDim>;

@@ -84,7 +84,8 @@ constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_pe
 // close. Hence block_m 128 at d = 64 (K/V and the dK/dV GEMMs' B operands amortized over twice the
 // rows) and square-ish warp tiles: d = 64: 128 x 128, S/dP on 2 x 4 warps (64 x 32 warp tiles), dK/dV
 // and dQ on 4 x 2; d = 128: dQ on 2 x 4 warps (32 x 32 warp tiles, not 16 x 64); d >= 192: S/dP on
-// 4 x 2, dK/dV and dQ on 2 x 4. At d = 64, S/dP on 2 x 4 instead of 4 x 2 (the same operand bytes)
+// 4 x 2, dK/dV and dQ on 2 x 4 (d = 256: S/dP on 2 x 2 and dK/dV on 1 x 4 warps of one half, below).
+// At d = 64, S/dP on 2 x 4 instead of 4 x 2 (the same operand bytes)
 // measured +0-2% on an H100 and left the sm_90 code without the 4 / 8 B of spills.
 // The column tile of each layout must divide its GEMM's width (hence d = 96 keeps dQ on 4 x 2).
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
@@ -94,8 +95,9 @@ struct BwdTile {
   int block_m;
   int block_n;
   int num_warps;
-  int warps_m_sdp;  // warps along block_m for S = Q K^T and dP = dO V^T (the rest along block_n)
-  int warps_n_dkv;  // warps along block_n for dK/dV (the rest along d)
+  int warps_m_sdp;  // warps along block_m for S = Q K^T and dP = dO V^T (the rest along block_n; of
+                    // half the warps under sdp_split)
+  int warps_n_dkv;  // warps along block_n for dK/dV (the rest along d; of half under dkv_split)
   int warps_m_dq;   // warps along block_m for dQ (the rest along d)
   int q_stages;     // Q/dO buffers: 2 loads the next query block during the whole current one
   int dp_whole_arch;  // from this __CUDA_ARCH__ on, the dP GEMM covers all of a warp's rows at once
@@ -116,6 +118,11 @@ struct BwdTile {
   // twice as large, so the two GEMMs read a third fewer operand bytes (d = 256, 64 x 64 on 8 warps:
   // 384 -> 256 KB of ldmatrix per step, of ~680 KB in all).
   bool sdp_split = false;
+  // sdp_split tiles only (d = d_v): the dK/dV GEMMs split the same way, dV on the S warps (from their
+  // own P as soon as it is stored) and dK on the dP warps, each over the whole block_n x d tile
+  // (1 x num_warps / 2 warps, 64 x 64 warp tiles at d = 256) in one 128-register accumulator per
+  // thread: dV runs while the dP warps form dS, and the two GEMMs read a third fewer operand bytes.
+  bool dkv_split = false;
 };
 
 // Build-time override of BwdTile::dq_first_unmasked: 0 never, 1 always (with or without a mask), -1 policy.
@@ -126,6 +133,10 @@ struct BwdTile {
 // one stage, two with large_smem), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_SDP_SPLIT
 #define FLASHTILE_AMPERE_BWD_SDP_SPLIT -1
+#endif
+// Build-time override of BwdTile::dkv_split: 0 never (dK/dV then run on all the warps), -1 policy.
+#ifndef FLASHTILE_AMPERE_BWD_DKV_SPLIT
+#define FLASHTILE_AMPERE_BWD_DKV_SPLIT -1
 #endif
 // Build-time override of BwdTile::ldsm_xor_below_arch: 0 never, 1 on every arch for the tiles that use
 // them on some (d <= 128: tests the sm_80 code's sources on sm_90), -1 policy.
@@ -157,15 +168,18 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 // +3.5-4% non-causal and +1-2% causal over the unsplit one-stage tile; as the policy, +1-2% non-causal
 // and +0-2% causal over the unsplit double-buffered 209 KB tile that large_smem devices ran before
 // (whose split form spilled 68-80 B and lost 4%). d = 192 keeps its unsplit double-buffered tile:
-// split (177 KB) it measured 0-3% slower.
-constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false) {
+// split (177 KB) it measured 0-3% slower. dkv_split on top (session 32, H100, sm_90 code): +2.4-4.7% on
+// the backward at 512-16k, both masks; its sm_90 code reloads 8 B per step from local memory (sm_80: 0).
+// equal_dv: d = d_v (dkv_split needs K's and V's tiles alike).
+constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false, bool equal_dv = true) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
   return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}
-         : FLASHTILE_AMPERE_BWD_SDP_SPLIT != 0 ? BwdTile{64, 64, 8, 2, 2, 2, 1, 0, 0, false, true}
-                                               : BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0};
+         : FLASHTILE_AMPERE_BWD_SDP_SPLIT == 0 ? BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0}
+         : FLASHTILE_AMPERE_BWD_DKV_SPLIT != 0 && equal_dv ? BwdTile{64, 64, 8, 2, 1, 2, 1, 0, 0, false, true, true}
+                                                           : BwdTile{64, 64, 8, 2, 2, 2, 1, 0, 0, false, true};
 }
 
 // Hopper forward (TMA + WGMMA, warp-specialized): block_m = 64 rows per consumer warpgroup; K/V
