@@ -205,8 +205,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 
   // dV += P^T dO and dK += dS^T Q. Under kDkvSplit the S threads accumulate dV and the dP threads dK,
   // each half over the whole tile in acc_dk (the tiles coincide; acc_dv is unused).
-  int const dkv_tidx = Traits::kDkvSplit ? tidx % kSdpThreads : tidx;
-  bool const dk_half = Traits::kDkvSplit && tidx >= kSdpThreads;
+  constexpr int kDkvThreads = Traits::kDkvWarps * 32;
+  int const dkv_tidx = Traits::kDkvSplit ? tidx % kDkvThreads : tidx;
+  bool const dk_half = Traits::kDkvSplit && tidx >= kDkvThreads;
   typename Traits::TiledMmadKV mma_dkv;
   auto thr_dkv = mma_dkv.get_thread_slice(dkv_tidx);
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtF);
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     if constexpr (Traits::kDkvSplit) {
       // dV = P^T dO on the S threads, dK = dS^T Q on the dP threads: one call, the operands offset from
       // P^T to dS^T and from dO^T to Q^T (same tile layouts) on the dP threads.
-      named_barrier_sync<kSdpThreads>(2 + int(dk_half));
+      named_barrier_sync<kDkvThreads>(2 + int(dk_half));
       gemm_ss(acc_dk, tdVrPt, tdVrdOt, at_offset(src_pt, dk_half ? kOffdS - kOffP : 0),
               at_offset(src_dot, dk_half ? q_off - kOffdO : do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
       __syncthreads();  // dS visible to every thread (dQ); every thread is done with this step's Q and dO
