@@ -4,7 +4,8 @@
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
 //                (kQStages-deep: the next tile's Q loads during the current tile where shared memory
 //                allows) and of its K and V blocks (last block first) into kStages-deep pipelines,
-//                then fetches the next tile and hands its coordinates to the consumers (TileHandoff).
+//                fetches the next tile as it starts one and hands its coordinates to the consumers
+//                (TileHandoff) once the tile's first block is loading.
 //                Clusters (kClusterM > 1): the CTAs of a cluster run adjacent query blocks with the same
 //                K/V blocks; each producer loads 1 / kClusterM of every K/V block and TMA multicasts it
 //                to all of them, so each block crosses from L2 once per cluster.
@@ -94,6 +95,16 @@ struct TileWork {
   int n_block_min, n_block_max;
   bool in_range, active;
 };
+
+// Build-time switch of the producer's early hand-off of the next tile (0: after the tile's last load).
+#ifndef FLASHTILE_FWD_EARLY_PUBLISH
+#define FLASHTILE_FWD_EARLY_PUBLISH 1
+#endif
+
+// Build-time switch of the consumers' late hand-off (0: the next tile's geometry before the tail turn).
+#ifndef FLASHTILE_FWD_LATE_RECEIVE
+#define FLASHTILE_FWD_LATE_RECEIVE 1
+#endif
 
 // Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
 // blocks), for measuring its gain.
@@ -251,7 +262,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
     // kOOverV: parity of the o_free phase the next tile's V loads wait for (the first passes at once).
     uint32_t o_phase = 1;
-    auto produce_tile = [&](TileWork const& w) {
+    auto produce_tile = [&](TileWork const& w, auto const& after_first_block) {
       int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
       Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
                              select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
@@ -290,6 +301,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
       }
       ++write_state;
+      after_first_block();
       for (--n_block; n_block >= w.n_block_min; --n_block) {
         pipeline_k.producer_acquire(write_state);
         if (lane_predicate) {
@@ -305,14 +317,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto handoff_state = TileHandoff::producer_start_state();
     int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
     int const num_tiles = sched.num_tiles();
+    TileCoord coord = sched.tile(sched.first());
     for (int idx = sched.first(); idx < num_tiles;) {
-      // The next index is fetched first so the atomic's latency hides behind this tile's loads.
+      // The next index is fetched first so the atomic's latency hides behind this tile's first loads,
+      // and the next tile is published once they are out (FLASHTILE_FWD_EARLY_PUBLISH): its index
+      // math (several hundred cycles under band masks) then runs while the producer waits for stages,
+      // not between this tile's last load and the next tile's first ones.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(idx); }
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, sched.tile(idx), kp.q_per_tile);
-      if (w.active) { produce_tile(w); }
-      idx = __shfl_sync(0xffffffff, next, leader_lane);
-      handoff.producer_publish(handoff_state, idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone, lane_predicate);
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
+      auto publish = [&] {
+        idx = __shfl_sync(0xffffffff, next, leader_lane);
+        coord = idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone;
+        handoff.producer_publish(handoff_state, coord, lane_predicate);
+      };
+      if (w.active) {
+        if constexpr (FLASHTILE_FWD_EARLY_PUBLISH != 0) {
+          produce_tile(w, publish);
+        } else {
+          produce_tile(w, [] {});
+          publish();
+        }
+      } else {
+        publish();
+      }
     }
     if constexpr (kClusterM > 1) {
       // Stay until every stage has been released by all CTAs of the cluster: no release from another
@@ -587,13 +615,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                    w.n_block_min, n_max_wg, turn, [&] {
                                                      if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
                                                    });
+        // Tail turn: the tile's last PV GEMM. The next tile's geometry is worked out under it
+        // (FLASHTILE_FWD_LATE_RECEIVE): the turn is passed on as if a tile follows whenever one was
+        // handed over, and if it proves to have no work (nor any after it), an empty turn closes the
+        // ring as the last one would have. Every warpgroup takes the same tiles, so all decide alike.
         TileWork nw;
-        bool const next = next_work(handoff.consumer_receive(handoff_state), nw);
-        // Tail turn: the tile's last PV GEMM.
-        turn.wait_turn();
-        consumer_v.consumer_wait(v_state);
-        wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-        turn.pass_turn(!next);
+        bool next;
+        if constexpr (FLASHTILE_FWD_LATE_RECEIVE != 0) {
+          TileCoord const nc = handoff.consumer_receive(handoff_state);
+          turn.wait_turn();
+          consumer_v.consumer_wait(v_state);
+          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+          turn.pass_turn(nc.m_block < 0);
+          next = next_work(nc, nw);
+          if (nc.m_block >= 0 && !next) {
+            turn.wait_turn();
+            turn.pass_turn(true);
+          }
+        } else {
+          next = next_work(handoff.consumer_receive(handoff_state), nw);
+          turn.wait_turn();
+          consumer_v.consumer_wait(v_state);
+          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+          turn.pass_turn(!next);
+        }
         warpgroup_wait<0>();
         consumer_v.consumer_release(v_state);
         if constexpr (Traits::kOOverV) {

@@ -474,6 +474,25 @@ def test_fwd_varlen(dtype, hdim, case, heads, causal, window, seed):
     _check("varlen out", out, lse, refs, varlen=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_varlen_keyless_tail(dtype, hdim, causal, seed):
+    """More tiles than SMs, the last sequence without keys: persistent CTAs take an active tile, then only
+    tiles whose rows see no key (written on the way) before the walk ends."""
+    d, dv = hdim
+    require_built(dtype, d, dv, band=causal)
+    lens_q, lens_k = [700, 300, 450], [700, 250, 0]
+    q, k, v = _packed(lens_q, lens_k, 48, 8, d, dv, DTYPES[dtype], seed)
+    cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
+    poison_allocator(_out_bytes(q, dv))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                      return_attn_probs=True)
+    refs = _per_sequence_ref(q, k, v, lens_q, lens_k, causal=causal, window_size=(-1, -1))
+    _check("varlen out", out, lse, refs, varlen=True)
+    assert torch.all(out[-lens_q[-1]:] == 0) and torch.isneginf(lse[:, -lens_q[-1]:]).all()
+
+
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fwd_varlen_loose_max_seqlen(dtype, hdim, seed):
