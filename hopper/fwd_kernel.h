@@ -16,9 +16,11 @@
 // Pipelines (cutlass::PipelineTmaAsync, Q, K and V): producer arrival count 1 (the TMA thread, with the
 // transaction bytes of one tile); consumer arrival count kNMmaThreads (every consumer thread releases
 // a stage after its WGMMA on it has completed; a Q stage after the tile's O, staged over it, has been
-// read out of it, or under kOOverV once the tile's last S GEMM has completed). In a cluster a K/V
-// stage takes one arrival per consumer warpgroup of every CTA (ConsumerPipeline), and a producer
-// stays until its stages are all released (producer_tail).
+// read out of it, or under kOOverV once the tile's last S GEMM has completed). Under kOOverV each
+// consumer warpgroup's rows of Q are a part with a stage of their own (FwdTraits::kQParts: 128
+// arrivals, the warpgroup's own last S GEMM frees it). In a cluster a K/V stage takes one arrival per
+// consumer warpgroup of every CTA (ConsumerPipeline), and a producer stays until its stages are all
+// released (producer_tail).
 // Overlap schedule: the ping-pong turns run on across tiles (a tile's tail turn, its last PV GEMM, is
 // followed by the next tile's head turn, its first S GEMM), and each consumer warpgroup runs its own
 // epilogue without meeting the other: O is staged in shared memory over the tile's Q stage; rows that
@@ -62,8 +64,8 @@ struct FwdKernelParams {
   using Element = typename Traits::Element;
   using GmemQKV = GmemTensor<Element const>;
   using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutQ{}),
-                                      select<0, 2>(typename Traits::TileShapeQK{}), _1{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemQKV{}, typename Traits::SmemLayoutQLoad{},
+                                      typename Traits::TileShapeQLoad{}, _1{}));
   using TmaK = decltype(make_tma_copy(TmaLoadKV{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutK{}),
                                       select<1, 2>(typename Traits::TileShapeQK{}), Int<kClusterM>{}));
   using TmaV = decltype(make_tma_copy(TmaLoadKV{}, GmemQKV{}, take<0, 2>(typename Traits::SmemLayoutV{}),
@@ -219,10 +221,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
   }
   bool const producer = warp_group_idx == 0;
-  // PipelineQ is a type of its own when kQStages != kStages.
+  // PipelineQ is a type of its own when kQStages != kStages; under kQParts each part is one warpgroup's.
+  constexpr int kQParts = Traits::kQParts;
   typename Traits::PipelineQ pipeline_q(
-      ss.pipeline_q, tma_pipeline_params<typename Traits::PipelineQ>(producer, Traits::kNMmaThreads, kp.tma_bytes_q),
+      ss.pipeline_q,
+      tma_pipeline_params<typename Traits::PipelineQ>(producer, Traits::kNMmaThreads / kQParts, kp.tma_bytes_q / kQParts),
       Shape<_1, _1, _1>{});
+  // The pipeline state of part `part` of the Q stage `state` tracks.
+  auto q_part = [](typename Traits::PipelineStateQ const& state, int part) {
+    return typename Traits::PipelineQ::PipelineState(kQParts * state.index() + part, state.phase(), state.count());
+  };
   // K/V: a stage is free again once the consumers of every CTA of the cluster have released it (the
   // pipeline spreads each warpgroup's release over the cluster's CTAs); the transaction bytes stay a
   // whole block, since every CTA receives all of it.
@@ -233,7 +241,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ss.pipeline_v, tma_pipeline_params<MainloopPipeline>(producer, Traits::kNMmaThreads, Traits::kTmaBytesV), ClusterShape{});
   // Q is the CTA's own: its stages are released by arrivals on this CTA's barrier. (PipelineTmaAsync
   // built for a cluster of one would send them to the cluster's first CTA.)
-  auto release_q = [&](int stage) { ss.pipeline_q.empty_barrier_[stage].arrive(); };
+  // A consumer warpgroup releases its own part.
+  auto release_q = [&](int stage) {
+    ss.pipeline_q.empty_barrier_[kQParts * stage + (kQParts > 1 ? warp_group_idx - 1 : 0)].arrive();
+  };
   TileHandoff const handoff{ss.handoff};
   if (threadIdx.x == 0) {
     handoff.init(Traits::kNMmaThreads);
@@ -259,18 +270,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
     int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
-    auto q_write_state = cutlass::make_producer_start_state<typename Traits::PipelineQ>();
+    typename Traits::PipelineStateQ q_write_state(0, 1, 0);  // producer start: every stage free
     // kOOverV: parity of the o_free phase the next tile's V loads wait for (the first passes at once).
     uint32_t o_phase = 1;
     auto produce_tile = [&](TileWork const& w, auto const& after_first_block) {
       int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
-      Tensor gQ = local_tile(domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb)),
-                             select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
+      // Q: the tile (one box), or under kQParts all boxes of the head (indexed by part row block and chunk).
+      Tensor gQ = [&] {
+        Tensor mQh = domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb));
+        if constexpr (kQParts == 1) {
+          return local_tile(mQh, select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
+        } else {
+          return local_tile(mQh, typename Traits::TileShapeQLoad{}, make_coord(_, _));
+        }
+      }();
       Tensor gK = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mK(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<1, 2>(typename Traits::TileShapeQK{}), make_coord(_, _0{}));
       Tensor gV = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<2, 1>(typename Traits::TileShapePV{}), make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tQgQ, tQsQ] = [&] {
+        if constexpr (kQParts == 1) {
+          return tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        } else {
+          return cute::make_tuple(0, 0);  // the parts' boxes are partitioned where they load
+        }
+      }();
       auto [tKgK, tKsK] = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
@@ -281,14 +305,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (lane_predicate) {
         copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), tKgK(_, n_block), tKsK(_, write_state.index()));
       }
-      pipeline_q.producer_acquire(q_write_state);
-      if (lane_predicate) {
-        if (kp.pack > 1) {
-          load_q_packed<Traits>(kp.tma_q_packed, pipeline_q.producer_get_barrier(q_write_state),
-                                ss.smem_q.data() + q_write_state.index() * (cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages),
+      Element* const q_stage = ss.smem_q.data() + q_write_state.index() * (cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages);
+      if (kp.pack > 1) {
+        // Whole, on part 0's barrier (armed for all of the tile's bytes), once every part is free.
+        pipeline_q.producer_acquire(q_part(q_write_state, 0));
+        CUTE_UNROLL
+        for (int h = 1; h < kQParts; ++h) {
+          ss.pipeline_q.empty_barrier_[kQParts * q_write_state.index() + h].wait(q_write_state.phase());
+        }
+        if constexpr (kQParts > 1) {
+          pipeline_q.producer_expect_transaction(q_part(q_write_state, 0), kp.tma_bytes_q - kp.tma_bytes_q / kQParts);
+        }
+        if (lane_predicate) {
+          load_q_packed<Traits>(kp.tma_q_packed, pipeline_q.producer_get_barrier(q_part(q_write_state, 0)), q_stage,
                                 int(w.seq.q_row0) + w.coord.m_block * kp.q_per_tile, bidh_k, p.cu_seqlens_q ? 0 : w.coord.bidb);
-        } else {
+        }
+      } else if constexpr (kQParts == 1) {
+        pipeline_q.producer_acquire(q_write_state);
+        if (lane_predicate) {
           copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0), tQgQ, tQsQ(_, q_write_state.index()));
+        }
+      } else {
+        // Part h: rows [64 h, 64 h + 64) of every column chunk (chunks are block_m rows apart).
+        constexpr int kChunk = Traits::kQChunkCols;
+        CUTE_UNROLL
+        for (int h = 0; h < kQParts; ++h) {
+          pipeline_q.producer_acquire(q_part(q_write_state, h));
+          if (lane_predicate) {
+            CUTE_UNROLL
+            for (int c = 0; c < Traits::kHeadDim / kChunk; ++c) {
+              Tensor sQb = make_tensor(make_smem_ptr(q_stage + (c * kBlockM + 64 * h) * kChunk), typename Traits::SmemLayoutQLoad{});
+              auto [tg, ts] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQb),
+                                            group_modes<0, 2>(gQ(_, _, kQParts * w.coord.m_block + h, c)));
+              copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_part(q_write_state, h)), 0), tg, ts);
+            }
+          }
         }
       }
       ++q_write_state;
@@ -591,7 +642,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       Tensor tSrS = new_scores();
       turn.wait_turn();
-      pipeline_q.consumer_wait(q_read_state);
+      pipeline_q.consumer_wait(q_part(q_read_state, kp.pack > 1 ? 0 : wg * (kQParts > 1)));
       consumer_k.consumer_wait(read_state);
       wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_read_state.index()), tSrK(_, _, _, read_state.index()), tSrS);
       turn.pass_turn(false);

@@ -88,7 +88,7 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   kp.shape_k = ShapeQKV{p.rows_k, p.head_dim, p.num_heads_k, batch_k};
   kp.shape_v = ShapeQKV{p.rows_k, p.head_dim_v, p.num_heads_k, batch_k};
   kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, kp.shape_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride),
-                           take<0, 2>(typename Traits::SmemLayoutQ{}), select<0, 2>(typename Traits::TileShapeQK{}), _1{});
+                           typename Traits::SmemLayoutQLoad{}, typename Traits::TileShapeQLoad{}, _1{});
   kp.tma_k = make_tma_copy(TmaLoadKV{}, gmem(p.k, kp.shape_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                            take<0, 2>(typename Traits::SmemLayoutK{}), select<1, 2>(typename Traits::TileShapeQK{}),
                            Int<kClusterM>{});

@@ -99,6 +99,19 @@ struct FwdTraits {
   // +4-7% at 512-1k, +2-4% causal at 2k-16k (benchmarks/NOTES.md, session 15).
   static constexpr bool kOOverV = FLASHTILE_HOPPER_O_OVER_V != 0 && kQStages == 1 && kIntraWGOverlap &&
                                   kNMmaWarpGroups == 2;
+  // Columns of one swizzle atom of Q (SmemAtomKMajor): the width of a GQA-packed Q load's box.
+  static constexpr int kQChunkCols = kHeadDim % 64 == 0 ? 64 : kHeadDim % 32 == 0 ? 32 : 16;
+  // Q parts: under kOOverV each consumer warpgroup's 64 rows of Q load and are released on their own
+  // (a pipeline stage per warpgroup and Q stage, one TMA box per swizzle-atom column chunk of those
+  // rows: 64 consecutive rows of a chunk are one contiguous run of SmemLayoutQ). The first warpgroup's
+  // rows are then freed by its own last S GEMM and arrive after half the bytes: with one Q stage it
+  // waited for the whole 64 KB at d = 256 at every tile start (benchmarks/NOTES.md, session 33). A
+  // GQA-packed tile still loads whole, on the first part's barrier, which every warpgroup waits for.
+  static constexpr int kQParts = kOOverV ? kNMmaWarpGroups : 1;
+  using SmemLayoutQLoad = std::conditional_t<
+      kQParts == 1, decltype(take<0, 2>(SmemLayoutQ{})),
+      decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDim>{}, Shape<_64, Int<kQChunkCols>>{}))>;
+  using TileShapeQLoad = std::conditional_t<kQParts == 1, Shape<Int<kBlockM>, Int<kHeadDim>>, Shape<_64, Int<kQChunkCols>>>;
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomKMajor<Element, kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   static_assert(cosize_v<SmemLayoutO> * int(sizeof(Element)) <= kSmemQStageBytes);
   static_assert(!kOOverV || cosize_v<SmemLayoutO> <= cosize_v<SmemLayoutV>);
@@ -117,8 +130,10 @@ struct FwdTraits {
 
   using MainloopPipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename MainloopPipeline::PipelineState;
-  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
-  using PipelineStateQ = typename PipelineQ::PipelineState;
+  // A stage per Q part of each Q stage (part h of stage s: kQParts * s + h); the kernels track Q
+  // stages (PipelineStateQ) and derive the part's state from them.
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages * kQParts>;
+  using PipelineStateQ = cutlass::PipelineState<kQStages>;
 
   struct SharedStorage {
     // O is staged over each Q stage (kOOverV: over smem_v).
@@ -134,8 +149,6 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemLimitBytes);
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  // Columns of one swizzle atom of Q (SmemAtomKMajor): the width of a GQA-packed Q load's box.
-  static constexpr int kQChunkCols = kHeadDim % 64 == 0 ? 64 : kHeadDim % 32 == 0 ? 32 : 16;
   static constexpr uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
 };
