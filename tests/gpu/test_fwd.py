@@ -320,13 +320,7 @@ def test_fwd_tall_tile(dtype, case, seed):
 def test_fwd_tall_tile_varlen(dtype, causal, seed):
     lens_q, lens_k = [4500, 0, 700, 2200], [4000, 5, 700, 2500]
     for d, dv in _tall_head_dims(dtype, band=causal):
-        q, k, v = _packed(lens_q, lens_k, 4, 2, d, dv, DTYPES[dtype], seed)
-        cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
-        poison_allocator(_out_bytes(q, dv))
-        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                          return_attn_probs=True)
-        refs = _per_sequence_ref(q, k, v, lens_q, lens_k, causal=causal, window_size=(-1, -1))
-        _check(f"d{d}x{dv} varlen out", out, lse, refs, varlen=True)
+        _check_varlen_causal(f"d{d}x{dv} varlen out", lens_q, lens_k, 4, 2, d, dv, dtype, seed, causal)
 
 
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((-1, 5), False), ((7, -1), False),
@@ -451,6 +445,18 @@ def _packed(lens_q, lens_k, h, hk, d, dv, dtype, seed):
     return q[0], k[0], v[0]
 
 
+def _check_varlen_causal(name, lens_q, lens_k, h, hk, d, dv, dtype, seed, causal):
+    """Packed sequences without a window, against attention_ref per sequence; returns (out, lse)."""
+    q, k, v = _packed(lens_q, lens_k, h, hk, d, dv, DTYPES[dtype], seed)
+    cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
+    poison_allocator(_out_bytes(q, dv))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                      return_attn_probs=True)
+    _check(name, out, lse, _per_sequence_ref(q, k, v, lens_q, lens_k, causal=causal, window_size=(-1, -1)),
+           varlen=True)
+    return out, lse
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (32, 17)], ids=["nowindow", "w32_17"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
@@ -483,13 +489,7 @@ def test_fwd_varlen_keyless_tail(dtype, hdim, causal, seed):
     d, dv = hdim
     require_built(dtype, d, dv, band=causal)
     lens_q, lens_k = [700, 300, 450], [700, 250, 0]
-    q, k, v = _packed(lens_q, lens_k, 48, 8, d, dv, DTYPES[dtype], seed)
-    cu_q, cu_k = generate_cu_seqlens(lens_q, "cuda"), generate_cu_seqlens(lens_k, "cuda")
-    poison_allocator(_out_bytes(q, dv))
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                      return_attn_probs=True)
-    refs = _per_sequence_ref(q, k, v, lens_q, lens_k, causal=causal, window_size=(-1, -1))
-    _check("varlen out", out, lse, refs, varlen=True)
+    out, lse = _check_varlen_causal("varlen out", lens_q, lens_k, 48, 8, d, dv, dtype, seed, causal)
     assert torch.all(out[-lens_q[-1]:] == 0) and torch.isneginf(lse[:, -lens_q[-1]:]).all()
 
 
