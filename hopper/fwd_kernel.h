@@ -98,16 +98,6 @@ struct TileWork {
   bool in_range, active;
 };
 
-// Build-time switch of the producer's early hand-off of the next tile (0: after the tile's last load).
-#ifndef FLASHTILE_FWD_EARLY_PUBLISH
-#define FLASHTILE_FWD_EARLY_PUBLISH 1
-#endif
-
-// Build-time switch of the consumers' late hand-off (0: the next tile's geometry before the tail turn).
-#ifndef FLASHTILE_FWD_LATE_RECEIVE
-#define FLASHTILE_FWD_LATE_RECEIVE 1
-#endif
-
 // Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
 // blocks), for measuring its gain.
 #ifndef FLASHTILE_FWD_WG_SKIP
@@ -275,26 +265,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     uint32_t o_phase = 1;
     auto produce_tile = [&](TileWork const& w, auto const& after_first_block) {
       int const bidh_k = kp.pack > 1 ? w.coord.bidh : w.coord.bidh / params.h_h_k_ratio;
-      // Q: the tile (one box), or under kQParts all boxes of the head (indexed by part row block and chunk).
-      Tensor gQ = [&] {
-        Tensor mQh = domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb));
-        if constexpr (kQParts == 1) {
-          return local_tile(mQh, select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
-        } else {
-          return local_tile(mQh, typename Traits::TileShapeQLoad{}, make_coord(_, _));
-        }
-      }();
+      Tensor mQh = domain_offset(make_coord(w.seq.q_row0, _0{}), mQ(_, _, w.coord.bidh, p.cu_seqlens_q ? 0 : w.coord.bidb));
       Tensor gK = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mK(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<1, 2>(typename Traits::TileShapeQK{}), make_coord(_, _0{}));
       Tensor gV = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<2, 1>(typename Traits::TileShapePV{}), make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = [&] {
-        if constexpr (kQParts == 1) {
-          return tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        } else {
-          return cute::make_tuple(0, 0);  // the parts' boxes are partitioned where they load
-        }
-      }();
       auto [tKgK, tKsK] = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
@@ -321,12 +296,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                 int(w.seq.q_row0) + w.coord.m_block * kp.q_per_tile, bidh_k, p.cu_seqlens_q ? 0 : w.coord.bidb);
         }
       } else if constexpr (kQParts == 1) {
+        Tensor gQ = local_tile(mQh, select<0, 2>(typename Traits::TileShapeQK{}), make_coord(w.coord.m_block, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(kp.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         pipeline_q.producer_acquire(q_write_state);
         if (lane_predicate) {
           copy(kp.tma_q.with(*pipeline_q.producer_get_barrier(q_write_state), 0), tQgQ, tQsQ(_, q_write_state.index()));
         }
       } else {
-        // Part h: rows [64 h, 64 h + 64) of every column chunk (chunks are block_m rows apart).
+        // Part h: rows [64 h, 64 h + 64) of every column chunk (chunks are block_m rows apart), one
+        // TileShapeQLoad box each.
+        Tensor gQ = local_tile(mQh, typename Traits::TileShapeQLoad{}, make_coord(_, _));
         constexpr int kChunk = Traits::kQChunkCols;
         CUTE_UNROLL
         for (int h = 0; h < kQParts; ++h) {
@@ -371,9 +350,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     TileCoord coord = sched.tile(sched.first());
     for (int idx = sched.first(); idx < num_tiles;) {
       // The next index is fetched first so the atomic's latency hides behind this tile's first loads,
-      // and the next tile is published once they are out (FLASHTILE_FWD_EARLY_PUBLISH): its index
-      // math (several hundred cycles under band masks) then runs while the producer waits for stages,
-      // not between this tile's last load and the next tile's first ones.
+      // and the next tile is published once they are out: its index math (several hundred cycles under
+      // band masks) then runs while the producer waits for stages, not between this tile's last load
+      // and the next tile's first ones.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(idx); }
       TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
@@ -383,12 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         handoff.producer_publish(handoff_state, coord, lane_predicate);
       };
       if (w.active) {
-        if constexpr (FLASHTILE_FWD_EARLY_PUBLISH != 0) {
-          produce_tile(w, publish);
-        } else {
-          produce_tile(w, [] {});
-          publish();
-        }
+        produce_tile(w, publish);
       } else {
         publish();
       }
@@ -666,29 +640,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                    w.n_block_min, n_max_wg, turn, [&] {
                                                      if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
                                                    });
-        // Tail turn: the tile's last PV GEMM. The next tile's geometry is worked out under it
-        // (FLASHTILE_FWD_LATE_RECEIVE): the turn is passed on as if a tile follows whenever one was
-        // handed over, and if it proves to have no work (nor any after it), an empty turn closes the
-        // ring as the last one would have. Every warpgroup takes the same tiles, so all decide alike.
+        // Tail turn: the tile's last PV GEMM. The next tile's geometry is worked out under it: the
+        // turn is passed on as if a tile follows whenever one was handed over, and if it proves to have
+        // no work (nor any after it), an empty turn closes the ring as the last one would have. Every
+        // warpgroup takes the same tiles, so all decide alike.
+        TileCoord const nc = handoff.consumer_receive(handoff_state);
+        turn.wait_turn();
+        consumer_v.consumer_wait(v_state);
+        wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+        turn.pass_turn(nc.m_block < 0);
         TileWork nw;
-        bool next;
-        if constexpr (FLASHTILE_FWD_LATE_RECEIVE != 0) {
-          TileCoord const nc = handoff.consumer_receive(handoff_state);
+        bool const next = next_work(nc, nw);
+        if (nc.m_block >= 0 && !next) {
           turn.wait_turn();
-          consumer_v.consumer_wait(v_state);
-          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-          turn.pass_turn(nc.m_block < 0);
-          next = next_work(nc, nw);
-          if (nc.m_block >= 0 && !next) {
-            turn.wait_turn();
-            turn.pass_turn(true);
-          }
-        } else {
-          next = next_work(handoff.consumer_receive(handoff_state), nw);
-          turn.wait_turn();
-          consumer_v.consumer_wait(v_state);
-          wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-          turn.pass_turn(!next);
+          turn.pass_turn(true);
         }
         warpgroup_wait<0>();
         consumer_v.consumer_release(v_state);
