@@ -463,10 +463,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // across the walk they spilled at d = 64.
       int const t_step = thread_idx_reread() - 128;
       Tensor tScS = thr_sdp_of(t_step);
-      float const next_stat = stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f;
+      constexpr bool kLag = Traits::kdQLag;
+      // The next step's LSE / D global load: issued behind this step's S^T and dP^T GEMMs in the
+      // dq_overlap order without a mask or softcap (its ~40 instructions then no longer delay the
+      // S^T issue: H100, d = 128, +1-3% at 1k-16k), ahead of them elsewhere (the same move measured
+      // 1-3% slower at causal 1k-4k; benchmarks/NOTES.md, session 34).
+      constexpr bool kStatAfterGemms = !kIsBand && !kHasSoftcap && Traits::kdQPerWg && !kLag;
+      auto next_stat_of = [&] { return stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f; };
+      float next_stat = kStatAfterGemms ? 0.f : next_stat_of();
       float const* stat_lse = ss.smem_stats[step % 2];
       float const* stat_d = stat_lse + kBlockM;
-      constexpr bool kLag = Traits::kdQLag;
       auto s_gemm = [&] {
         pipeline_q.consumer_wait(read_q);
         wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
@@ -485,6 +491,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       pipeline_do.consumer_wait(read_do);
       wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
+      if constexpr (kStatAfterGemms) { next_stat = next_stat_of(); }
       if constexpr (kHasSoftcap) {
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
