@@ -98,6 +98,12 @@ struct TileWork {
   bool in_range, active;
 };
 
+// Build-time switch of the producer's K-ahead order where the tile takes it (0: K and V of each block
+// in turn everywhere), for measuring its gain.
+#ifndef FLASHTILE_FWD_K_AHEAD
+#define FLASHTILE_FWD_K_AHEAD 1
+#endif
+
 // Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
 // blocks), for measuring its gain.
 #ifndef FLASHTILE_FWD_WG_SKIP
@@ -250,6 +256,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();
   }
 
+  // The overlapped schedule issues block n - 1's S GEMM before block n's PV GEMM, so with one Q stage
+  // (d 192 / 256) and no band mask the producer loads K(n - 1) before V(n): a tile's second S GEMM
+  // then waits for one V block fewer (H100: d 256 +1-5%, d 192 +3-6% at 512-1k, neutral above).
+  // Elsewhere K and V of each block load in turn: under band masks the order measured 1-6% slower at
+  // d 192 from 2k (d 256: +3% at causal 1k, -1-2% at 8k-16k), with two Q stages (d <= 128) neutral
+  // to -2.6% (benchmarks/NOTES.md, session 34).
+  constexpr bool kKAhead = Traits::kIntraWGOverlap && Traits::kQStages == 1 && !kIsBand && FLASHTILE_FWD_K_AHEAD != 0;
   if (warp_group_idx == 0) {
     // ---------------------------------------------------------------- producer (warp 0)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -257,7 +270,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
     Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
+    // K and V stages are written in the same order; under kKAhead the K loads run one block ahead,
+    // on their own state.
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+    PipelineState write_state_v = write_state;
+    PipelineState* const v_write_state = kKAhead ? &write_state_v : &write_state;
     int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     typename Traits::PipelineStateQ q_write_state(0, 1, 0);  // producer start: every stage free
@@ -270,16 +287,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              select<1, 2>(typename Traits::TileShapeQK{}), make_coord(_, _0{}));
       Tensor gV = local_tile(domain_offset(make_coord(w.seq.k_row0, _0{}), mV(_, _, bidh_k, p.cu_seqlens_k ? 0 : w.coord.bidb)),
                              select<2, 1>(typename Traits::TileShapePV{}), make_coord(_, _0{}));
-      auto [tKgK, tKsK] = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto const tK = tma_partition(kp.tma_k, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto const tV = tma_partition(kp.tma_v, cluster_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+      auto load_k = [&](int n) {
+        pipeline_k.producer_acquire(write_state);
+        if (lane_predicate) {
+          copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), get<0>(tK)(_, n),
+               get<1>(tK)(_, write_state.index()));
+        }
+        if constexpr (kKAhead) { ++write_state; }
+      };
+      auto load_v = [&](int n) {
+        PipelineState& state = *v_write_state;
+        pipeline_v.producer_acquire(state);
+        if (lane_predicate) {
+          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(state), mcast_mask), get<0>(tV)(_, n), get<1>(tV)(_, state.index()));
+        }
+        ++state;
+      };
 
       // The first K block goes out before the Q stage may have to wait for an earlier tile's O (or,
       // under kOOverV, for its last S GEMM).
       int n_block = w.n_block_max - 1;
-      pipeline_k.producer_acquire(write_state);
-      if (lane_predicate) {
-        copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), tKgK(_, n_block), tKsK(_, write_state.index()));
-      }
+      load_k(n_block);
       Element* const q_stage = ss.smem_q.data() + q_write_state.index() * (cosize_v<typename Traits::SmemLayoutQ> / Traits::kQStages);
       if (kp.pack > 1) {
         // Whole, on part 0's barrier (armed for all of the tile's bytes), once every part is free.
@@ -322,26 +353,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       ++q_write_state;
+      if (kKAhead && n_block > w.n_block_min) { load_k(n_block - 1); }
       if constexpr (Traits::kOOverV) {
         ss.o_free.wait(o_phase);  // the previous tile's O has left the V stages
         o_phase ^= 1;
       }
-      pipeline_v.producer_acquire(write_state);
-      if (lane_predicate) {
-        copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
-      }
-      ++write_state;
+      load_v(n_block);
       after_first_block();
       for (--n_block; n_block >= w.n_block_min; --n_block) {
-        pipeline_k.producer_acquire(write_state);
-        if (lane_predicate) {
-          copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), tKgK(_, n_block), tKsK(_, write_state.index()));
+        if constexpr (kKAhead) {
+          if (n_block > w.n_block_min) { load_k(n_block - 1); }
+        } else {
+          load_k(n_block);
         }
-        pipeline_v.producer_acquire(write_state);
-        if (lane_predicate) {
-          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state), mcast_mask), tVgV(_, n_block), tVsV(_, write_state.index()));
-        }
-        ++write_state;
+        load_v(n_block);
       }
     };
     auto handoff_state = TileHandoff::producer_start_state();
@@ -371,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Stay until every stage has been released by all CTAs of the cluster: no release from another
       // CTA may arrive here after this CTA has exited.
       pipeline_k.producer_tail(write_state);
-      pipeline_v.producer_tail(write_state);
+      pipeline_v.producer_tail(*v_write_state);
       if constexpr (Traits::kOOverV) { ss.o_free.wait(o_phase); }
     }
     return;
@@ -598,7 +623,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Head turn of a tile: its first S GEMM, then that block's softmax. Blocks masked whole for this
     // warpgroup's rows come first in the walk: for each it takes its turn without GEMMs and releases
     // the K and V stages once they are full (an earlier release could land in the phase of the stage's
-    // previous fill, which the other warpgroups may still be reading).
+    // previous fill, which the other warpgroups may still be reading). Band kernels, the only ones with
+    // such blocks, load K and V of each block in turn (kKAhead is off there).
+    static_assert(!(kWgSkip<Traits, kIsBand> && kKAhead));
     auto head = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       if constexpr (kWgSkip<Traits, kIsBand>) {
