@@ -3,7 +3,8 @@
 // Roles (persistent: one CTA per SM takes tiles from the scheduler of hopper/tile_scheduler.h):
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
 //                (kQStages-deep: the next tile's Q loads during the current tile where shared memory
-//                allows) and of its K and V blocks (last block first) into kStages-deep pipelines,
+//                allows) and of its K and V blocks (last block first; K a block ahead of V for
+//                one-Q-stage tiles without a band mask, kKAhead) into kStages-deep pipelines,
 //                fetches the next tile as it starts one and hands its coordinates to the consumers
 //                (TileHandoff) once the tile's first block is loading.
 //                Clusters (kClusterM > 1): the CTAs of a cluster run adjacent query blocks with the same
