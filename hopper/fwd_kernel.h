@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // K and V stages are written in the same order; under kKAhead the K loads run one block ahead,
     // on their own state.
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-    PipelineState write_state_v = write_state;
-    PipelineState* const v_write_state = kKAhead ? &write_state_v : &write_state;
+    PipelineState k_ahead_state_v = write_state;
+    PipelineState* const write_state_v = kKAhead ? &k_ahead_state_v : &write_state;
     int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     typename Traits::PipelineStateQ q_write_state(0, 1, 0);  // producer start: every stage free
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (kKAhead) { ++write_state; }
       };
       auto load_v = [&](int n) {
-        PipelineState& state = *v_write_state;
+        PipelineState& state = *write_state_v;
         pipeline_v.producer_acquire(state);
         if (lane_predicate) {
           copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(state), mcast_mask), get<0>(tV)(_, n), get<1>(tV)(_, state.index()));
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Stay until every stage has been released by all CTAs of the cluster: no release from another
       // CTA may arrive here after this CTA has exited.
       pipeline_k.producer_tail(write_state);
-      pipeline_v.producer_tail(*v_write_state);
+      pipeline_v.producer_tail(*write_state_v);
       if constexpr (Traits::kOOverV) { ss.o_free.wait(o_phase); }
     }
     return;
