@@ -309,6 +309,22 @@ constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, bool is_band, int s
   return seqlen_q >= (is_band ? 4096 : 2048);
 }
 
+// Build-time override of hopper_fwd_k_ahead_band: 0 never, 1 always; -1 = policy.
+#ifndef FLASHTILE_FWD_K_AHEAD_BAND
+#define FLASHTILE_FWD_K_AHEAD_BAND -1
+#endif
+
+// Host heuristic: whether a band-mask (causal, local) launch of the d = 256 forward loads each KV
+// block's K one block ahead of its V (the order the one-Q-stage tiles take without a mask), so that a
+// tile's second S GEMM does not wait for its first block's V. It pays where tiles are short (few KV
+// blocks, so that wait is a large part of each) and costs where they are long: H100, causal, against
+// the per-block order, +1% at 512, +2-3% at 1k, +0.4-1% at 2k, -1-2% at 8k-16k (benchmarks/NOTES.md,
+// sessions 34-35). d 192 lost 1-6.5% from 2k and gained nothing below, so its band kernels never take it.
+constexpr bool hopper_fwd_k_ahead_band(int seqlen_k) {
+  if (FLASHTILE_FWD_K_AHEAD_BAND >= 0) { return FLASHTILE_FWD_K_AHEAD_BAND == 1; }
+  return seqlen_k <= 2048;
+}
+
 // Hopper backward (TMA + WGMMA, warp-specialized): each CTA owns block_n keys and walks the query
 // blocks of block_m rows with two consumer warpgroups. Each of the three GEMM shapes, S/dP
 // (block_m x block_n), dK/dV (block_n x d) and dQ (block_m x d), is split between the warpgroups

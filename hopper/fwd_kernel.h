@@ -4,7 +4,8 @@
 //   warpgroup 0  producer: setmaxnreg down; warp 0 issues (one elected lane) TMA loads of each tile's Q
 //                (kQStages-deep: the next tile's Q loads during the current tile where shared memory
 //                allows) and of its K and V blocks (last block first; K a block ahead of V for
-//                one-Q-stage tiles without a band mask, kKAhead) into kStages-deep pipelines,
+//                one-Q-stage tiles without a band mask, and per launch under one at d 256) into
+//                kStages-deep pipelines,
 //                fetches the next tile as it starts one and hands its coordinates to the consumers
 //                (TileHandoff) once the tile's first block is loading.
 //                Clusters (kClusterM > 1): the CTAs of a cluster run adjacent query blocks with the same
@@ -82,6 +83,9 @@ struct FwdKernelParams {
   int pack;
   int q_per_tile;
   uint32_t tma_bytes_q;  // transaction bytes of one Q tile
+  // Band kernels that may take the producer's K-ahead order (kKAheadBand): 1 = this launch takes it
+  // (the host heuristic hopper_fwd_k_ahead_band); ignored by the other kernels.
+  int k_ahead;
   CUtensorMap tma_q_packed;  // q as (d, pack, rows, KV heads, batch), box (swizzle atom columns, pack, q_per_tile, 1, 1)
   ShapeQKV shape_q, shape_k, shape_v;
   TmaQ tma_q;
@@ -104,6 +108,16 @@ struct TileWork {
 #ifndef FLASHTILE_FWD_K_AHEAD
 #define FLASHTILE_FWD_K_AHEAD 1
 #endif
+
+// The producer's K-ahead order (see fwd_kernel): one-Q-stage tiles of the overlapped schedule take it
+// without a band mask always (kKAhead); their band kernels at d > 192 take it per launch (kKAheadBand,
+// FwdKernelParams::k_ahead), and keep K and V on their own pipeline states either way.
+template <class Traits>
+constexpr bool kKAheadTile = Traits::kIntraWGOverlap && Traits::kQStages == 1 && FLASHTILE_FWD_K_AHEAD != 0;
+template <class Traits, bool kIsBand>
+constexpr bool kKAhead = kKAheadTile<Traits> && !kIsBand;
+template <class Traits, bool kIsBand>
+constexpr bool kKAheadBand = kKAheadTile<Traits> && kIsBand && Traits::kHeadDim > 192;
 
 // Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
 // blocks), for measuring its gain.
@@ -260,10 +274,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The overlapped schedule issues block n - 1's S GEMM before block n's PV GEMM, so with one Q stage
   // (d 192 / 256) and no band mask the producer loads K(n - 1) before V(n): a tile's second S GEMM
   // then waits for one V block fewer (H100: d 256 +1-5%, d 192 +3-6% at 512-1k, neutral above).
-  // Elsewhere K and V of each block load in turn: under band masks the order measured 1-6% slower at
-  // d 192 from 2k (d 256: +3% at causal 1k, -1-2% at 8k-16k), with two Q stages (d <= 128) neutral
-  // to -2.6% (benchmarks/NOTES.md, session 34).
-  constexpr bool kKAhead = Traits::kIntraWGOverlap && Traits::kQStages == 1 && !kIsBand && FLASHTILE_FWD_K_AHEAD != 0;
+  // Under band masks the order measured 1-6% slower at d 192 from 2k and, at d 256, +3% at causal 1k
+  // but -1-2% at 8k-16k, so d 256 band kernels take it per launch (k_ahead: short keys, see
+  // hopper_fwd_k_ahead_band) and d 192 never; with two Q stages (d <= 128) it measured neutral to -2.6%
+  // (benchmarks/NOTES.md, sessions 34-35). Elsewhere K and V of each block load in turn.
+  constexpr bool kKAheadStates = kKAhead<Traits, kIsBand> || kKAheadBand<Traits, kIsBand>;
+  bool const k_ahead = kKAhead<Traits, kIsBand> || (kKAheadBand<Traits, kIsBand> && kp.k_ahead != 0);
   if (warp_group_idx == 0) {
     // ---------------------------------------------------------------- producer (warp 0)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -271,11 +287,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor mQ = kp.tma_q.get_tma_tensor(kp.shape_q);
     Tensor mK = kp.tma_k.get_tma_tensor(kp.shape_k);
     Tensor mV = kp.tma_v.get_tma_tensor(kp.shape_v);
-    // K and V stages are written in the same order; under kKAhead the K loads run one block ahead,
-    // on their own state.
+    // K and V stages are written in the same order; under k_ahead the K loads run one block ahead.
+    // Kernels that may take that order keep V on a state of its own (in the per-block order it
+    // advances with K's), the others one state for both.
     PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-    PipelineState k_ahead_state_v = write_state;
-    PipelineState* const write_state_v = kKAhead ? &k_ahead_state_v : &write_state;
+    PipelineState own_state_v = write_state;
+    PipelineState& write_state_v = kKAheadStates ? own_state_v : write_state;
     int const cluster_rank = sched.cluster_rank();
     uint16_t const mcast_mask = (1u << kClusterM) - 1;  // K/V slices go to every CTA of the cluster
     typename Traits::PipelineStateQ q_write_state(0, 1, 0);  // producer start: every stage free
@@ -297,15 +314,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           copy(kp.tma_k.with(*pipeline_k.producer_get_barrier(write_state), mcast_mask), get<0>(tK)(_, n),
                get<1>(tK)(_, write_state.index()));
         }
-        if constexpr (kKAhead) { ++write_state; }
+        if constexpr (kKAheadStates) { ++write_state; }
       };
       auto load_v = [&](int n) {
-        PipelineState& state = *write_state_v;
-        pipeline_v.producer_acquire(state);
+        pipeline_v.producer_acquire(write_state_v);
         if (lane_predicate) {
-          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(state), mcast_mask), get<0>(tV)(_, n), get<1>(tV)(_, state.index()));
+          copy(kp.tma_v.with(*pipeline_v.producer_get_barrier(write_state_v), mcast_mask), get<0>(tV)(_, n),
+               get<1>(tV)(_, write_state_v.index()));
         }
-        ++state;
+        ++write_state_v;
       };
 
       // The first K block goes out before the Q stage may have to wait for an earlier tile's O (or,
@@ -354,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       ++q_write_state;
-      if (kKAhead && n_block > w.n_block_min) { load_k(n_block - 1); }
+      if (k_ahead && n_block > w.n_block_min) { load_k(n_block - 1); }
       if constexpr (Traits::kOOverV) {
         ss.o_free.wait(o_phase);  // the previous tile's O has left the V stages
         o_phase ^= 1;
@@ -362,7 +379,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       load_v(n_block);
       after_first_block();
       for (--n_block; n_block >= w.n_block_min; --n_block) {
-        if constexpr (kKAhead) {
+        if (k_ahead) {
           if (n_block > w.n_block_min) { load_k(n_block - 1); }
         } else {
           load_k(n_block);
@@ -397,7 +414,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Stay until every stage has been released by all CTAs of the cluster: no release from another
       // CTA may arrive here after this CTA has exited.
       pipeline_k.producer_tail(write_state);
-      pipeline_v.producer_tail(*write_state_v);
+      pipeline_v.producer_tail(write_state_v);
       if constexpr (Traits::kOOverV) { ss.o_free.wait(o_phase); }
     }
     return;
@@ -624,9 +641,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Head turn of a tile: its first S GEMM, then that block's softmax. Blocks masked whole for this
     // warpgroup's rows come first in the walk: for each it takes its turn without GEMMs and releases
     // the K and V stages once they are full (an earlier release could land in the phase of the stage's
-    // previous fill, which the other warpgroups may still be reading). Band kernels, the only ones with
-    // such blocks, load K and V of each block in turn (kKAhead is off there).
-    static_assert(!(kWgSkip<Traits, kIsBand> && kKAhead));
+    // previous fill, which the other warpgroups may still be reading). Each skipped block's K is
+    // released before its V is waited for: under k_ahead the producer issues V(n) only after K(n - 1),
+    // whose stage the K of block n + 1 frees (in the per-block order V(n) follows K(n) alone).
     auto head = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       if constexpr (kWgSkip<Traits, kIsBand>) {
