@@ -206,6 +206,9 @@ struct HopperFwdTile {
   // Band masks without a left window edge tested as bits of one mask per row (common/mask.h, R2P)
   // rather than a compare per score (non-band kernels' sequence-end masks keep the compare).
   bool paired_mask = true;
+  // Band kernels may load K a block ahead of V, chosen per launch (hopper_fwd_k_ahead_band); only
+  // one-Q-stage tiles of the overlapped schedule take the order at all (hopper/fwd_kernel.h).
+  bool band_k_ahead = false;
 };
 
 // Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
@@ -288,6 +291,9 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
     t.consumer_regs = 160;
   }
   if (FLASHTILE_HOPPER_Q_STAGES > 0) { t.q_stages = FLASHTILE_HOPPER_Q_STAGES; }
+  // Under band masks the K-ahead order lost 1-6.5% at d = 192 from 2k and gained nothing below; at
+  // d = 256 it pays on short keys (hopper_fwd_k_ahead_band).
+  t.band_k_ahead = d > 192;
   // Paired masks measured +2-3% at d = 64 causal 512-2k on an H100, neutral at d = 128, and -3% at
   // d = 256 causal 4k (block_n 80; neutral at its other lengths), so d = 256 keeps a compare per score.
   t.paired_mask = FLASHTILE_PAIRED_MASK >= 0 ? FLASHTILE_PAIRED_MASK == 1 : d <= 128;
@@ -309,18 +315,19 @@ constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, bool is_band, int s
   return seqlen_q >= (is_band ? 4096 : 2048);
 }
 
-// Build-time override of hopper_fwd_k_ahead_band: 0 never, 1 always; -1 = policy.
+// Build-time override of hopper_fwd_k_ahead_band: 0 never, 1 wherever the tile allows; -1 = policy.
 #ifndef FLASHTILE_FWD_K_AHEAD_BAND
 #define FLASHTILE_FWD_K_AHEAD_BAND -1
 #endif
 
-// Host heuristic: whether a band-mask (causal, local) launch of the d = 256 forward loads each KV
-// block's K one block ahead of its V (the order the one-Q-stage tiles take without a mask), so that a
-// tile's second S GEMM does not wait for its first block's V. It pays where tiles are short (few KV
-// blocks, so that wait is a large part of each) and costs where they are long: H100, causal, against
-// the per-block order, +1% at 512, +2-3% at 1k, +0.4-1% at 2k, -1-2% at 8k-16k (benchmarks/NOTES.md,
-// sessions 34-35). d 192 lost 1-6.5% from 2k and gained nothing below, so its band kernels never take it.
-constexpr bool hopper_fwd_k_ahead_band(int seqlen_k) {
+// Host heuristic: whether a band-mask (causal, local) launch of tile t (band_k_ahead: d = 256) loads
+// each KV block's K one block ahead of its V (the order the one-Q-stage tiles take without a mask), so
+// that a tile's second S GEMM does not wait for its first block's V. It pays where tiles are short
+// (few KV blocks, so that wait is a large part of each) and costs where they are long: H100, causal,
+// d = 256, against the per-block order, +1% at 512, +2-3% at 1k, +0.4-1% at 2k, -1-2% at 8k-16k
+// (benchmarks/NOTES.md, sessions 34-35).
+constexpr bool hopper_fwd_k_ahead_band(HopperFwdTile const& t, int seqlen_k) {
+  if (!t.band_k_ahead) { return false; }
   if (FLASHTILE_FWD_K_AHEAD_BAND >= 0) { return FLASHTILE_FWD_K_AHEAD_BAND == 1; }
   return seqlen_k <= 2048;
 }

@@ -110,14 +110,15 @@ struct TileWork {
 #endif
 
 // The producer's K-ahead order (see fwd_kernel): one-Q-stage tiles of the overlapped schedule take it
-// without a band mask always (kKAhead); their band kernels at d > 192 take it per launch (kKAheadBand,
-// FwdKernelParams::k_ahead), and keep K and V on their own pipeline states either way.
+// without a band mask always (kKAhead); their band kernels where the tile policy allows it
+// (HopperFwdTile::band_k_ahead) take it per launch (kKAheadBand, FwdKernelParams::k_ahead), and keep
+// K and V on their own pipeline states either way.
 template <class Traits>
 constexpr bool kKAheadTile = Traits::kIntraWGOverlap && Traits::kQStages == 1 && FLASHTILE_FWD_K_AHEAD != 0;
 template <class Traits, bool kIsBand>
 constexpr bool kKAhead = kKAheadTile<Traits> && !kIsBand;
 template <class Traits, bool kIsBand>
-constexpr bool kKAheadBand = kKAheadTile<Traits> && kIsBand && Traits::kHeadDim > 192;
+constexpr bool kKAheadBand = kKAheadTile<Traits> && kIsBand && Traits::kTile.band_k_ahead;
 
 // Build-time switch of the per-warpgroup block range below (0: every warpgroup walks the tile's
 // blocks), for measuring its gain.
@@ -274,10 +275,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The overlapped schedule issues block n - 1's S GEMM before block n's PV GEMM, so with one Q stage
   // (d 192 / 256) and no band mask the producer loads K(n - 1) before V(n): a tile's second S GEMM
   // then waits for one V block fewer (H100: d 256 +1-5%, d 192 +3-6% at 512-1k, neutral above).
-  // Under band masks the order measured 1-6% slower at d 192 from 2k and, at d 256, +3% at causal 1k
-  // but -1-2% at 8k-16k, so d 256 band kernels take it per launch (k_ahead: short keys, see
-  // hopper_fwd_k_ahead_band) and d 192 never; with two Q stages (d <= 128) it measured neutral to -2.6%
-  // (benchmarks/NOTES.md, sessions 34-35). Elsewhere K and V of each block load in turn.
+  // Under band masks the d 256 kernels take it per launch (k_ahead: short keys) and the d 192 ones
+  // never (HopperFwdTile::band_k_ahead, hopper_fwd_k_ahead_band); with two Q stages (d <= 128) it
+  // measured neutral to -2.6% (benchmarks/NOTES.md, sessions 34-35). Elsewhere K and V of each block
+  // load in turn.
   constexpr bool kKAheadStates = kKAhead<Traits, kIsBand> || kKAheadBand<Traits, kIsBand>;
   bool const k_ahead = kKAhead<Traits, kIsBand> || (kKAheadBand<Traits, kIsBand> && kp.k_ahead != 0);
   if (warp_group_idx == 0) {

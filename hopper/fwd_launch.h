@@ -104,7 +104,7 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
 
   // GQA packing (see FwdKernelParams::pack).
   kp.pack = pack;
-  kp.k_ahead = hopper_fwd_k_ahead_band(p.seqlen_k) ? 1 : 0;
+  kp.k_ahead = kIsBand && hopper_fwd_k_ahead_band(Traits::kTile, p.seqlen_k) ? 1 : 0;
   kp.q_per_tile = Traits::kBlockM / kp.pack;
   kp.tma_bytes_q = Traits::kTmaBytesQ;
   int const sched_heads = kp.pack > 1 ? p.num_heads_k : p.num_heads;
