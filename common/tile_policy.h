@@ -251,7 +251,8 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
   // d <= 64: four K/V stages (176 KB with three Q stages) give the short blocks more loads in flight.
   // d = 256: block_n 80 with the overlapped schedule (S, P and O: 40 + 20 + 128 registers of the 240)
-  // measured 1.06-1.24x the serial schedule with block_n 64 on an H100 at 1k-16k (causal 512: 0.95x);
+  // measured 1.06-1.24x the serial schedule with block_n 64 on an H100 at 1k-16k (causal 512: 0.95x
+  // then; 1.05x on an H200 with the later K / Q loading changes, benchmarks/NOTES.md session 36);
   // 80 needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (the 64 x 80 WGMMA atoms). d = 192: the overlapped
   // schedule measured 1.02-1.13x the serial one with block_n 96; block_n 112 was faster only at 16k
   // and lost 4-6% at causal 512-1k. Every head dim now runs the overlapped schedule; the serial one
