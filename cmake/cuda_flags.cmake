@@ -2,11 +2,10 @@
 # and a compile job pool sized by memory (nvcc on CuTe kernels takes 3-5 GB per job).
 set(FT_CUDA_FLAGS -O3 --use_fast_math --expt-relaxed-constexpr -DNDEBUG -Xcompiler=-fno-strict-aliasing
     -DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
-# Measurement overrides (cmake/options.cmake): passed only when set, since the headers default each to
-# -1 (the tile policy) and a -D here would come after, and so silently replace, the same macro given
-# through CMAKE_CUDA_FLAGS.
-foreach(opt FLASHTILE_HOPPER_SCHEDULE FLASHTILE_EXP_FMA_PER16 FLASHTILE_BWD_ORDER FLASHTILE_BWD_DQ_RED
-            FLASHTILE_HOPPER_FWD_TALL FLASHTILE_HOPPER_O_OVER_V)
+# Measurement overrides (FT_OVERRIDE_OPTIONS, cmake/options.cmake): passed only when set, since the
+# headers default each to -1 (the tile policy) and a -D here would come after, and so silently replace,
+# the same macro given through CMAKE_CUDA_FLAGS.
+foreach(opt ${FT_OVERRIDE_OPTIONS})
   if(NOT "${${opt}}" STREQUAL "-1")
     list(APPEND FT_CUDA_FLAGS -D${opt}=${${opt}})
   endif()

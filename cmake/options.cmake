@@ -1,11 +1,17 @@
 # Build options. Each can be given as -DNAME=..., through pip (--config-settings=cmake.define.NAME=...)
 # or as an environment variable of the same name. FLASHTILE_KERNEL_SET picks a preset (full, dev, ci:
-# see cmake/manifest.py); the other options override parts of it.
+# see cmake/manifest.py); the other options override parts of it. Options whose default is -1 are
+# measurement overrides of the tile policy (the headers default each macro to -1 as well); they are
+# collected in FT_OVERRIDE_OPTIONS, which cmake/cuda_flags.cmake hands to nvcc.
+set(FT_OVERRIDE_OPTIONS "")
 macro(ft_option name default doc)
   if(DEFINED ENV{${name}} AND NOT DEFINED ${name})
     set(${name} "$ENV{${name}}" CACHE STRING "${doc}")
   else()
     set(${name} "${default}" CACHE STRING "${doc}")
+  endif()
+  if("${default}" STREQUAL "-1")
+    list(APPEND FT_OVERRIDE_OPTIONS ${name})
   endif()
 endmacro()
 
