@@ -1,5 +1,6 @@
 """CPU tests of the benchmark harness's pure-Python parts: FLOP counts, the shape convention, ratios and the
-table, bench.json, argument parsing and the measurement loop's failure handling (with fake implementations).
+table, bench.json, argument parsing, the measurement loop's failure handling and its interleaved rounds (with
+fake implementations).
 No GPU, torch CUDA, JAX or compiled library is needed.
 """
 import io
@@ -212,10 +213,36 @@ def test_parse_quick_and_overrides():
 
 
 @pytest.mark.parametrize("argv", [["--impls", "fa4"], ["--seqlens", "0"], ["--seqlens", "1k"],
-                                  ["--causal", "2"], ["--path", "volta"], ["--dtype", "fp32"]])
+                                  ["--causal", "2"], ["--path", "volta"], ["--dtype", "fp32"],
+                                  ["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "1.5"], ["--rounds", "x"]])
 def test_parse_rejects_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
+
+
+def test_parse_rounds():
+    assert cli.parse_args([]).rounds == 1
+    assert cli.parse_args(["--rounds", "5"]).rounds == 5
+
+
+def test_rounds_in_config_and_timing_text(monkeypatch):
+    one, three = cli.parse_args(["--quick"]), cli.parse_args(["--quick", "--rounds", "3"])
+    assert cli._config(one)["rounds"] == 1 and cli._config(three)["rounds"] == 3
+    # the timing text names the rounds only when there are several, so one round reads as before
+    assert cli._timing(one, "do_bench")["torch"] == "do_bench, median, L2 flushed per call, warm-up 25 ms, timed 100 ms"
+    assert "interleaved" not in cli._timing(one, "do_bench")["fa3"]
+    t = cli._timing(three, "do_bench")
+    assert t["torch"].endswith("timed 100 ms, median of 3 interleaved rounds")
+    assert t["fa3"].endswith("median of 5, median of 3 interleaved rounds")
+    # and the metadata run() writes carries them (the GPU queries faked)
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    meta = cli._meta(three, ["--quick", "--rounds", "3"], [], {})
+    assert meta["config"]["rounds"] == 3 and meta["config"]["seqlens"] == [1024, 4096]
+    assert "median of 3 interleaved rounds" in meta["timing"]["torch"]
+    assert meta["command"].endswith("--quick --rounds 3")
+    assert "interleaved" not in cli._meta(one, ["--quick"], [], {})["timing"]["torch"]
 
 
 # ---------------------------------------------------------------------------------------- anchors/loop
@@ -293,3 +320,147 @@ def test_collect_input_failure_and_fwd_only():
                             bar=_NullBar()))
     assert len(rows) == 1 and rows[0]["pass"] == "fwd" and rows[0]["status"] == "error"
     assert "out of memory" in rows[0]["reason"] and rows[0]["dtype"] == "fp16"
+
+
+# ---------------------------------------------------------------------------------------------- rounds
+
+def _round_rows(*results, impl="cudnn", seqlen=4096, extra=None):
+    """Rows of one (impl, shape, pass), one per round: a number is an ok round's ms, a string a failure."""
+    return [report.make_row(impl, 128, seqlen, False, "fwd", "bf16", ms=x, extra=extra) if not isinstance(x, str)
+            else report.make_row(impl, 128, seqlen, False, "fwd", "bf16", status=x.split(":")[0], reason=x)
+            for x in results]
+
+
+def test_aggregate_rounds_median_odd_and_even():
+    r = report.aggregate_rounds(_round_rows(3.0, 1.0, 2.0, extra={"transfer": "dlpack"}))
+    assert r["ms"] == 2.0 and r["tflops"] == pytest.approx(2.0 ** 39 / 2.0 / 1e9)
+    assert r["rounds_ms"] == [3.0, 1.0, 2.0] and r["spread"] == pytest.approx(1.0)  # (3 - 1) / 2
+    assert r["status"] == "ok" and r["reason"] is None and r["transfer"] == "dlpack"
+    r = report.aggregate_rounds(_round_rows(1.0, 4.0, 2.0, 3.0))
+    assert r["ms"] == 2.5 and r["tflops"] == pytest.approx(2.0 ** 39 / 2.5 / 1e9)  # mean of the middle two
+    assert r["spread"] == pytest.approx(3.0 / 2.5)
+
+
+def test_aggregate_rounds_ignores_failed_rounds():
+    r = report.aggregate_rounds(_round_rows(2.0, "error: RuntimeError: boom", 4.0))
+    assert r["status"] == "ok" and r["reason"] is None and r["ms"] == 3.0
+    assert r["rounds_ms"] == [2.0, None, 4.0] and r["spread"] == pytest.approx(2.0 / 3.0)
+    r = report.aggregate_rounds(_round_rows("error: RuntimeError: boom", 5.0))
+    assert r["status"] == "ok" and r["ms"] == 5.0 and r["rounds_ms"] == [None, 5.0]
+    assert r["spread"] is None  # one ok round has no spread
+
+
+def test_aggregate_rounds_all_failed_keeps_first_failure():
+    r = report.aggregate_rounds(_round_rows("error: RuntimeError: first", "skipped: NotImplementedError: second"))
+    assert r["status"] == "error" and r["reason"] == "error: RuntimeError: first"
+    assert r["ms"] is None and r["tflops"] is None and r["rounds_ms"] == [None, None] and r["spread"] is None
+
+
+def test_aggregate_single_round_is_the_row_unchanged():
+    row = _round_rows(2.0)[0]
+    assert report.aggregate_rounds([row]) is row and "rounds_ms" not in row and "spread" not in row
+    with pytest.raises(ValueError):
+        report.aggregate_rounds([])
+
+
+class _RecordingImpl:
+    """Returns the next of its per-call times (a string raises) and logs each call in a shared list."""
+
+    def __init__(self, name, log, times=None):
+        self.name, self.log, self.times, self.inputs = name, log, list(times or []), []
+
+    def measure(self, inp, causal, fwd_only, timer):
+        self.log.append(self.name)
+        self.inputs.append(inp)
+        ms = self.times.pop(0) if self.times else 1.0
+        if isinstance(ms, str):
+            raise RuntimeError(ms)
+        passes = ("fwd",) if fwd_only else ("fwd", "bwd")
+        return {p: anchors.Timing(ms=ms * (2 if p == "bwd" else 1)) for p in passes}
+
+
+def _collect(impls, todo=((128, 1024, False),), **kw):
+    made, freed, bar = [], [], _NullBar()
+    kw = {"dtype": "bf16", "fwd_only": False, "timer": None, **kw}
+    rows = list(cli.collect(list(todo), impls, make_inputs=lambda b, s, h, d: made.append((s, d)) or object(),
+                            after_shape=lambda: freed.append(1), bar=bar, **kw))
+    return rows, made, freed, bar
+
+
+def test_collect_rounds_rotate_the_order_and_share_the_inputs():
+    log = []
+    a, b, c = (_RecordingImpl(n, log, times) for n, times in
+               (("flashtile", [1.0, 4.0, 2.0, 3.0]), ("cudnn", [2.0, 2.0, 2.0, 2.0]), ("fa2", [5.0, "boom", 3.0, 4.0])))
+    rows, made, freed, bar = _collect([(a, None), (b, None), (c, None)], rounds=4)
+    # round r starts at implementation r % 3
+    assert log == ["flashtile", "cudnn", "fa2", "cudnn", "fa2", "flashtile",
+                   "fa2", "flashtile", "cudnn", "flashtile", "cudnn", "fa2"]
+    assert made == [(1024, 128)] and len(freed) == 1 and bar.n == 3 * 4
+    assert all(inp is a.inputs[0] for impl in (a, b, c) for inp in impl.inputs)  # one set of inputs per shape
+    assert "round 2/4" in bar.descs[3] and "cudnn" in bar.descs[3]
+    # rows in the order of impls, not of the last round
+    assert [(r["impl"], r["pass"]) for r in rows] == [(i, p) for i in ("flashtile", "cudnn", "fa2")
+                                                      for p in ("fwd", "bwd")]
+    by = {(r["impl"], r["pass"]): r for r in rows}
+    # flashtile's k-th call is in its k-th round whatever the rotation; fa2's second round raised
+    assert by[("flashtile", "fwd")]["ms"] == 2.5 and by[("flashtile", "fwd")]["rounds_ms"] == [1.0, 4.0, 2.0, 3.0]
+    assert by[("flashtile", "bwd")]["ms"] == 5.0 and by[("flashtile", "bwd")]["spread"] == pytest.approx(6.0 / 5.0)
+    assert by[("cudnn", "fwd")]["ms"] == 2.0 and by[("cudnn", "fwd")]["spread"] == 0.0
+    assert by[("fa2", "fwd")]["ms"] == 4.0 and by[("fa2", "fwd")]["rounds_ms"] == [5.0, None, 3.0, 4.0]
+    assert by[("fa2", "fwd")]["status"] == "ok"
+
+
+def test_collect_rounds_over_shapes_and_failures():
+    log = []
+    ok, bad = _RecordingImpl("cudnn", log), _RecordingImpl("fa2", log, ["x"] * 10)
+    impls = [(ok, None), (bad, None), (_RecordingImpl("fa3", log), "jax is not installed")]
+    rows, made, freed, bar = _collect(impls, todo=[(128, 1024, False), (64, 2048, True)], rounds=2, fwd_only=True)
+    assert made == [(1024, 128), (2048, 64)] and len(freed) == 2 and bar.n == 2 * 3 * 2
+    # the rotation starts over with each shape; the unavailable fa3 is never called
+    assert log == ["cudnn", "fa2", "fa2", "cudnn"] * 2
+    assert len(rows) == 2 * 3 and all(r["pass"] == "fwd" for r in rows)
+    fa2 = [r for r in rows if r["impl"] == "fa2"]
+    assert all(r["status"] == "error" and "RuntimeError: x" in r["reason"] and r["rounds_ms"] == [None, None]
+               for r in fa2)
+    fa3 = [r for r in rows if r["impl"] == "fa3"]
+    assert all(r["status"] == "skipped" and r["reason"] == "jax is not installed" for r in fa3)
+
+
+def test_collect_one_round_gives_the_rows_it_always_gave():
+    log = []
+    impls = [(_RecordingImpl("flashtile", log, [1.0]), None), (_RecordingImpl("cudnn", log, ["boom"]), None)]
+    rows, _, _, bar = _collect(impls, rounds=1)
+    expected = [report.make_row("flashtile", 128, 1024, False, "fwd", "bf16", ms=1.0),
+                report.make_row("flashtile", 128, 1024, False, "bwd", "bf16", ms=2.0)]
+    assert rows[:2] == expected and [list(r) for r in rows] == [list(expected[0])] * 4  # same keys, same order
+    assert rows[2]["status"] == "error" and rows[2]["reason"] == "RuntimeError: boom"
+    assert bar.n == 2 and bar.descs == ["d=128 s=1024 full flashtile", "d=128 s=1024 full cudnn"]
+    # rounds=1 is the default, and rows still come out right after each measurement (a Ctrl-C keeps them)
+    log.clear()
+    impls = [(_RecordingImpl("flashtile", log), None), (_RecordingImpl("cudnn", log), None)]
+    gen = cli.collect([(128, 1024, False)], impls, dtype="bf16", fwd_only=False, timer=None,
+                      make_inputs=lambda *a: object(), after_shape=lambda: None, bar=_NullBar())
+    assert next(gen)["impl"] == "flashtile" and log == ["flashtile"]
+
+
+def test_one_round_json_has_no_round_fields(tmp_path):
+    rows, _, _, _ = _collect([(_RecordingImpl("cudnn", []), None)])
+    doc = json.loads(open(report.write_json(str(tmp_path / "bench.json"), rows, ["cudnn"], {})).read())
+    assert all("rounds_ms" not in r and "spread" not in r for r in doc["rows"])
+    rows, _, _, _ = _collect([(_RecordingImpl("cudnn", [], [1.0, 3.0]), None)], rounds=2)
+    doc = json.loads(open(report.write_json(str(tmp_path / "bench.json"), rows, ["cudnn"], {})).read())
+    assert doc["rows"][0]["rounds_ms"] == [1.0, 3.0] and doc["rows"][0]["spread"] == pytest.approx(1.0)
+
+
+def test_table_names_the_rounds_and_the_largest_spread():
+    one = report.format_table(_fake_rows(), list(report.IMPLS))
+    assert "median of" not in one and "spread" not in one
+    rows = [report.aggregate_rounds(_round_rows(*ms, impl=impl, seqlen=s))
+            for s, ft, cu in ((1024, (1.0, 1.1, 1.2), (2.0, 2.0, 2.0)), (4096, (1.0, 1.05, 1.0), (2.0, 2.1, 2.0)))
+            for impl, ms in (("flashtile", ft), ("cudnn", cu))]
+    table = report.format_table(rows, ["flashtile", "cudnn"], title="NVIDIA H200")
+    assert all(len(line) <= 120 for line in table.splitlines())
+    assert "TFLOP/s (higher is better), median of 3 rounds" in table
+    assert "flashtile: largest spread (max - min) / median over 3 rounds 18.2% (d=128 s=1024 causal=0 fwd)" in table
+    assert "cudnn: largest spread (max - min) / median over 3 rounds 5.0% (d=128 s=4096 causal=0 fwd)" in table
+    assert _table_row(table, 128, 1024, 0, "fwd")[5] == f"{2.0 ** 37 / 1.1 / 1e9:.1f}"  # the median's

@@ -2,7 +2,8 @@
 
 Times flashtile and the anchors (cuDNN and FlashAttention-2 through torch SDPA, FlashAttention-3 through JAX)
 in one run on the same GPU and the same inputs, shows a progress bar on stderr, prints a table of TFLOP/s and
-ratios on stdout, and writes bench.json and bench.png under --out.
+ratios on stdout, and writes bench.json and bench.png under --out. With --rounds N each shape is measured N times,
+interleaved across the implementations, and every point is the median of its rounds.
 """
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def _int_list(text: str):
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
+
+
+def _positive_int(text: str):
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if val <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return val
 
 
 def _impl_list(text: str):
@@ -66,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="./bench_out", help="directory for bench.json and bench.png (default ./bench_out)")
     p.add_argument("--warmup", type=float, default=25, help="warm-up per torch measurement, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="timed span per torch measurement, ms (default 100)")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="measure each shape this many times, interleaved across the implementations, and report "
+                        "the median per point (one GPU's single points vary by a few %% between runs; default 1)")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     return p
 
@@ -86,6 +100,23 @@ def shapes(args):
     return [(d, s, c) for d in args.hdims for s in args.seqlens for c in args.causals]
 
 
+def _config(args) -> dict:
+    return {"dtype": args.dtype, "seqlens": args.seqlens, "hdims": args.hdims, "causal": args.causals,
+            "fwd_only": args.fwd_only, "path": args.path, "warmup_ms": args.warmup, "rep_ms": args.rep,
+            "rounds": args.rounds, "total_tokens": report.TOTAL_TOKENS, "hidden": report.HIDDEN}
+
+
+def _timing(args, torch_timer: str) -> dict:
+    """How each number was taken; the rounds are named only when there are several, so one round reads as
+    before."""
+    rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
+    return {
+        "torch": f"{torch_timer}, median, L2 flushed per call, warm-up {args.warmup} ms, timed {args.rep} ms{rounds}",
+        "fa3": f"host perf_counter around 30 calls + block_until_ready (JAX runs on its own stream), median of 5"
+               f"{rounds}",
+    }
+
+
 def _meta(args, argv, impls, unavailable, interrupted=False) -> dict:
     import torch
     meta = {
@@ -97,9 +128,7 @@ def _meta(args, argv, impls, unavailable, interrupted=False) -> dict:
         "python": platform.python_version(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, "-m", "flashtile.bench", *argv]),
-        "config": {"dtype": args.dtype, "seqlens": args.seqlens, "hdims": args.hdims, "causal": args.causals,
-                   "fwd_only": args.fwd_only, "path": args.path, "warmup_ms": args.warmup, "rep_ms": args.rep,
-                   "total_tokens": report.TOTAL_TOKENS, "hidden": report.HIDDEN},
+        "config": _config(args),
         "unavailable": unavailable,
         "interrupted": interrupted,
     }
@@ -109,10 +138,7 @@ def _meta(args, argv, impls, unavailable, interrupted=False) -> dict:
         torch_timer = "triton.testing.do_bench"
     except ImportError:
         torch_timer = "per-call CUDA events (triton not installed)"
-    meta["timing"] = {
-        "torch": f"{torch_timer}, median, L2 flushed per call, warm-up {args.warmup} ms, timed {args.rep} ms",
-        "fa3": "host perf_counter around 30 calls + block_until_ready (JAX runs on its own stream), median of 5",
-    }
+    meta["timing"] = _timing(args, torch_timer)
     try:
         import flashtile
         meta["flashtile"] = getattr(flashtile, "__version__", None)
@@ -123,14 +149,18 @@ def _meta(args, argv, impls, unavailable, interrupted=False) -> dict:
     return meta
 
 
-def collect(todo, impls, *, dtype, fwd_only, timer, make_inputs, after_shape, bar):
+def collect(todo, impls, *, dtype, fwd_only, timer, make_inputs, after_shape, bar, rounds=1):
     """Time every (implementation, shape, pass) and yield its row; failures become rows with a reason.
 
     impls: (implementation, reason it is unavailable or None) pairs. One set of inputs per shape, shared by all
-    implementations and dropped (after_shape) before the next shape is made.
+    implementations and dropped (after_shape) before the next shape is made. With rounds > 1 every implementation
+    is measured once per round on those inputs, round r starting at implementation r % len(impls), so that none
+    always runs first after the inputs are made or last before they are dropped; each row is then the median of
+    its rounds (report.aggregate_rounds).
     """
     from . import anchors
     passes = ("fwd",) if fwd_only else report.PASSES
+    n = len(impls)
     for d, s, c in todo:
         b, h = report.problem_shape(s, d)
         inp, input_error = None, None
@@ -138,20 +168,33 @@ def collect(todo, impls, *, dtype, fwd_only, timer, make_inputs, after_shape, ba
             inp = make_inputs(b, s, h, d)
         except Exception as exc:
             input_error = report.truncate(f"making inputs failed: {type(exc).__name__}: {exc}", 300)
-        for impl, why in impls:
-            bar.set_description(f"d={d} s={s} {'causal' if c else 'full'} {impl.name}")
-            if why or inp is None:
-                res = {p: anchors.Timing(status="skipped" if why else "error", reason=why or input_error)
-                       for p in passes}
-            else:
-                try:
-                    res = impl.measure(inp, c, fwd_only, timer)
-                except Exception as exc:  # a bug in one wrapper must not end the run
-                    res = {p: anchors.failure(exc) for p in passes}
-            for p in passes:
-                t = res.get(p) or anchors.Timing(status="error", reason="no result")
-                yield report.make_row(impl.name, d, s, c, p, dtype, t.ms, t.status, t.reason, t.extra)
-            bar.update(1)
+        results = [[] for _ in impls]  # per implementation, one {pass: Timing} per round
+        done = 0  # implementations whose rows have been yielded, in the order of impls
+        for r in range(rounds):
+            for k in range(n):
+                i = (r + k) % n
+                impl, why = impls[i]
+                desc = f"d={d} s={s} {'causal' if c else 'full'} {impl.name}"
+                bar.set_description(desc + (f" round {r + 1}/{rounds}" if rounds > 1 else ""))
+                if why or inp is None:
+                    res = {p: anchors.Timing(status="skipped" if why else "error", reason=why or input_error)
+                           for p in passes}
+                else:
+                    try:
+                        res = impl.measure(inp, c, fwd_only, timer)
+                    except Exception as exc:  # a bug in one wrapper must not end the run
+                        res = {p: anchors.failure(exc) for p in passes}
+                results[i].append(res)
+                # Rows go out as soon as they are complete (a Ctrl-C keeps them); with one round that is right
+                # after each measurement, as before rounds existed.
+                while done < n and len(results[done]) == rounds:
+                    for p in passes:
+                        ts = [res.get(p) or anchors.Timing(status="error", reason="no result") for res in results[done]]
+                        yield report.aggregate_rounds(
+                            [report.make_row(impls[done][0].name, d, s, c, p, dtype, t.ms, t.status, t.reason, t.extra)
+                             for t in ts])
+                    done += 1
+                bar.update(1)
         del inp
         after_shape()
 
@@ -184,12 +227,12 @@ def run(args, argv) -> int:
         torch.cuda.empty_cache()
 
     todo = shapes(args)
-    bar = report.make_progress(len(todo) * len(impls))
+    bar = report.make_progress(len(todo) * len(impls) * args.rounds)
     rows, interrupted = [], False
     try:
         for row in collect(todo, impls, dtype=args.dtype, fwd_only=args.fwd_only, timer=timer,
                            make_inputs=lambda b, s, h, d: anchors.make_inputs(b, s, h, d, args.dtype),
-                           after_shape=free_gpu, bar=bar):
+                           after_shape=free_gpu, bar=bar, rounds=args.rounds):
             rows.append(row)
     except KeyboardInterrupt:
         # Hours of measurements should survive a Ctrl-C: report what was measured.

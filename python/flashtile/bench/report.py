@@ -1,5 +1,5 @@
-"""Pure-Python side of the attention benchmark: problem conventions, FLOP counts, result rows,
-the terminal table, the JSON file, the PNG plot and the progress line.
+"""Pure-Python side of the attention benchmark: problem conventions, FLOP counts, result rows and their
+median over rounds, the terminal table, the JSON file, the PNG plot and the progress line.
 
 Nothing here imports torch, JAX or the compiled library, so it runs (and is tested) on any machine.
 """
@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -69,6 +70,35 @@ def make_row(impl, hdim, seqlen, causal, pass_, dtype, ms=None, status="ok", rea
     if extra:
         row.update(extra)
     return row
+
+
+def aggregate_rounds(rows):
+    """One row from the rows of one (implementation, shape, pass) measured in several rounds.
+
+    ms is the median of the ok rounds (statistics.median: the mean of the middle two for an even count), with
+    the per-round times in rounds_ms (None where a round failed) and spread = (max - min) / median (None with
+    fewer than two ok rounds); other fields come from the first ok round. Without an ok round it is the first
+    round's failure. A single row comes back unchanged, so one round gives the rows (and keys) it always gave.
+    """
+    rows = list(rows)
+    if not rows:
+        raise ValueError("aggregate_rounds needs at least one row")
+    if len(rows) == 1:
+        return rows[0]
+    ok = [r for r in rows if r["status"] == "ok"]
+    times = [r["ms"] for r in ok]
+    row = OrderedDict(ok[0] if ok else rows[0])
+    if ok:
+        row["ms"] = statistics.median(times)
+        row["tflops"] = tflops(row["flops"], row["ms"])
+    row["rounds_ms"] = [r["ms"] if r["status"] == "ok" else None for r in rows]
+    row["spread"] = (max(times) - min(times)) / row["ms"] if len(times) >= 2 else None
+    return row
+
+
+def rounds_of(rows) -> int:
+    """How many rounds the rows are medians of (1 for rows without rounds_ms)."""
+    return max((len(r.get("rounds_ms") or ()) for r in rows), default=1) or 1
 
 
 def truncate(text, width: int) -> str:
@@ -152,6 +182,9 @@ def format_table(rows, impls, title: str = "", width: int = 120) -> str:
     if title:
         lines.append(truncate(title, width))
     legend = "TFLOP/s (higher is better)"
+    rounds = rounds_of(rows)
+    if rounds > 1:
+        legend += f", median of {rounds} rounds"
     if rcols:
         legend += f"; ft/X = flashtile / X; best = best of {'/'.join(BEST_OF)} that ran"
     lines += [legend, head, "-" * len(head)]
@@ -172,7 +205,8 @@ def format_table(rows, impls, title: str = "", width: int = 120) -> str:
 
 
 def format_notes(rows, width: int = 120):
-    """One line per (implementation, reason) that left cells n/a, and any flagged flashtile output."""
+    """One line per (implementation, reason) that left cells n/a, the largest spread between rounds of each
+    implementation (when there were rounds), and any flagged flashtile output."""
     seen = OrderedDict()
     for r in rows:
         if r["status"] != "ok":
@@ -180,6 +214,14 @@ def format_notes(rows, width: int = 120):
             seen[key] = seen.get(key, 0) + 1
     lines = ["  " + truncate(f"{impl}: {n} n/a ({status}): {reason}", width - 2)
              for (impl, status, reason), n in seen.items()]
+    widest = OrderedDict()  # impl -> its row with the largest spread, to tell how far one point moved
+    for r in rows:
+        if r.get("spread") is not None and (r["impl"] not in widest or r["spread"] > widest[r["impl"]]["spread"]):
+            widest[r["impl"]] = r
+    for impl, r in widest.items():
+        lines.append("  " + truncate(f"{impl}: largest spread (max - min) / median over {len(r['rounds_ms'])} rounds "
+                                     f"{r['spread']:.1%} (d={r['hdim']} s={r['seqlen']} causal={int(r['causal'])} "
+                                     f"{r['pass']})", width - 2))
     for r in rows:
         diff = r.get("max_abs_diff_vs_sdpa")
         if diff is None:
