@@ -214,8 +214,7 @@ def test_parse_quick_and_overrides():
 
 @pytest.mark.parametrize("argv", [["--impls", "fa4"], ["--seqlens", "0"], ["--seqlens", "1k"],
                                   ["--causal", "2"], ["--path", "volta"], ["--dtype", "fp32"],
-                                  ["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "1.5"], ["--rounds", "x"],
-                                  ["--head-start", "-1"], ["--head-start", "x"], ["--head-start", "nan"]])
+                                  ["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "1.5"], ["--rounds", "x"]])
 def test_parse_rejects_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
@@ -224,30 +223,6 @@ def test_parse_rejects_bad_values(argv, capsys):
 def test_parse_rounds():
     assert cli.parse_args([]).rounds == 1
     assert cli.parse_args(["--rounds", "5"]).rounds == 5
-
-
-def test_head_start_option_and_metadata(monkeypatch):
-    assert cli.parse_args([]).head_start == 300
-    assert cli.parse_args(["--head-start", "0"]).head_start == 0
-    args = cli.parse_args(["--quick", "--head-start", "150"])
-    assert cli._config(args)["head_start_us"] == 150
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert "150 us GPU head start" in cli._meta(args, [], [], {})["timing"]["torch"]
-    assert "head start" not in cli._meta(cli.parse_args(["--head-start", "0"]), [], [], {})["timing"]["torch"]
-
-
-def test_torch_timer_takes_the_head_start_loop(monkeypatch):
-    calls = []
-    monkeypatch.setattr(anchors, "cuda_event_median", lambda fn, w, r, h=0: calls.append((w, r, h)) or 1.5)
-    assert anchors.make_torch_timer(10, 50, 300)(lambda: None) == 1.5
-    assert calls == [(10, 50, 300)]
-    # without a head start: triton's do_bench where it is installed, else the same loop without one
-    monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setitem(sys.modules, "triton.testing", None)
-    assert anchors.make_torch_timer(10, 50, 0)(lambda: None) == 1.5
-    assert calls[-1] == (10, 50, 0)
 
 
 def test_rounds_in_config_and_timing_text(monkeypatch):

@@ -44,16 +44,6 @@ def _positive_int(text: str):
     return val
 
 
-def _non_negative_float(text: str):
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not val >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return val
-
-
 def _impl_list(text: str):
     vals = [x.strip() for x in text.split(",") if x.strip()]
     bad = [v for v in vals if v not in report.IMPLS]
@@ -87,9 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="./bench_out", help="directory for bench.json and bench.png (default ./bench_out)")
     p.add_argument("--warmup", type=float, default=25, help="warm-up per torch measurement, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="timed span per torch measurement, ms (default 100)")
-    p.add_argument("--head-start", type=_non_negative_float, default=300, metavar="US",
-                   help="GPU held this many microseconds before each timed torch call, so that the host's speed "
-                        "does not enter short calls' times (0: triton's do_bench as is; default 300)")
     p.add_argument("--rounds", type=_positive_int, default=1,
                    help="measure each shape this many times, interleaved across the implementations, and report "
                         "the median per point (one GPU's single points vary by a few %% between runs; default 1)")
@@ -116,8 +103,7 @@ def shapes(args):
 def _config(args) -> dict:
     return {"dtype": args.dtype, "seqlens": args.seqlens, "hdims": args.hdims, "causal": args.causals,
             "fwd_only": args.fwd_only, "path": args.path, "warmup_ms": args.warmup, "rep_ms": args.rep,
-            "head_start_us": args.head_start, "rounds": args.rounds, "total_tokens": report.TOTAL_TOKENS,
-            "hidden": report.HIDDEN}
+            "rounds": args.rounds, "total_tokens": report.TOTAL_TOKENS, "hidden": report.HIDDEN}
 
 
 def _timing(args, torch_timer: str) -> dict:
@@ -152,8 +138,6 @@ def _meta(args, argv, impls, unavailable, interrupted=False) -> dict:
         torch_timer = "triton.testing.do_bench"
     except ImportError:
         torch_timer = "per-call CUDA events (triton not installed)"
-    if args.head_start > 0:
-        torch_timer = f"per-call CUDA events after a {args.head_start:g} us GPU head start (torch.cuda._sleep)"
     meta["timing"] = _timing(args, torch_timer)
     try:
         import flashtile
@@ -236,7 +220,7 @@ def run(args, argv) -> int:
         print("nothing to run: no implementation is available", file=sys.stderr)
         return 2
     impl_names = [i.name for i, _ in impls]
-    timer = anchors.make_torch_timer(args.warmup, args.rep, args.head_start)
+    timer = anchors.make_torch_timer(args.warmup, args.rep)
 
     def free_gpu():
         gc.collect()

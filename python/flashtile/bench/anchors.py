@@ -45,43 +45,21 @@ def torch_dtype(name: str):
 
 # ---------------------------------------------------------------------------------------------- timers
 
-def make_torch_timer(warmup_ms: float = 25, rep_ms: float = 100, head_start_us: float = 0):
-    """Median milliseconds of fn() from CUDA events. head_start_us > 0: our own loop, with the GPU held that
-    long before each timed call (see cuda_event_median); 0: triton's do_bench when available."""
-    if head_start_us <= 0:
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            return lambda fn: cuda_event_median(fn, warmup_ms, rep_ms)
-        return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return lambda fn: cuda_event_median(fn, warmup_ms, rep_ms, head_start_us)
+def make_torch_timer(warmup_ms: float = 25, rep_ms: float = 100):
+    """Median milliseconds of fn() from CUDA events: triton's do_bench when available, else our own loop."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return lambda fn: cuda_event_median(fn, warmup_ms, rep_ms)
+    return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def sleep_cycles_per_us() -> float:
-    """GPU clock cycles per microsecond as torch.cuda._sleep counts them (its spin reads the SM clock)."""
-    import torch
-    cycles = 2_000_000
-    torch.cuda._sleep(cycles // 10)  # first launch out of the way
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    torch.cuda._sleep(cycles)
-    t1.record()
-    torch.cuda.synchronize()
-    return cycles / max(t0.elapsed_time(t1) * 1000, 1.0)
-
-
-def cuda_event_median(fn, warmup_ms: float = 25, rep_ms: float = 100, head_start_us: float = 0) -> float:
+def cuda_event_median(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """do_bench's protocol without triton: size the loops from a first estimate, flush L2 before each timed
-    call, time each call with its own pair of CUDA events, return the median.
-
-    head_start_us > 0: after the flush the GPU spins that long (torch.cuda._sleep) before the start event, so
-    the host has enqueued fn()'s launches by the time the GPU reaches them. Without it a call whose host path
-    takes longer than the flush leaves the GPU idle inside the timed span, and the host's speed (which varies
-    between processes on one machine by 2x) decides short calls' times."""
+    call, time each call with its own pair of CUDA events, return the median."""
     import torch
     fn()
     torch.cuda.synchronize()
-    cycles = int(head_start_us * sleep_cycles_per_us()) if head_start_us > 0 else 0
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0.record()
@@ -90,7 +68,7 @@ def cuda_event_median(fn, warmup_ms: float = 25, rep_ms: float = 100, head_start
         fn()
     t1.record()
     torch.cuda.synchronize()
-    est = max(t0.elapsed_time(t1) / 5 + head_start_us / 1000, 1e-3)
+    est = max(t0.elapsed_time(t1) / 5, 1e-3)
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
     n = max(1, int(rep_ms / est))
@@ -98,8 +76,6 @@ def cuda_event_median(fn, warmup_ms: float = 25, rep_ms: float = 100, head_start
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for s, e in zip(starts, ends):
         flush.zero_()
-        if cycles:
-            torch.cuda._sleep(cycles)
         s.record()
         fn()
         e.record()
