@@ -214,7 +214,8 @@ def test_parse_quick_and_overrides():
 
 @pytest.mark.parametrize("argv", [["--impls", "fa4"], ["--seqlens", "0"], ["--seqlens", "1k"],
                                   ["--causal", "2"], ["--path", "volta"], ["--dtype", "fp32"],
-                                  ["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "1.5"], ["--rounds", "x"]])
+                                  ["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "1.5"], ["--rounds", "x"],
+                                  ["--timer", "sleep"]])
 def test_parse_rejects_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
@@ -223,6 +224,15 @@ def test_parse_rejects_bad_values(argv, capsys):
 def test_parse_rounds():
     assert cli.parse_args([]).rounds == 1
     assert cli.parse_args(["--rounds", "5"]).rounds == 5
+
+
+def test_timer_protocols():
+    assert cli.parse_args([]).timer == "flush"
+    loop = cli.parse_args(["--timer", "loop"])
+    assert cli._config(loop)["timer"] == "loop"
+    assert cli._timing(loop, "do_bench")["torch"].startswith("CUDA events around 30 back-to-back calls")
+    assert "flushed" in cli._timing(cli.parse_args([]), "do_bench")["torch"]
+    assert anchors.make_torch_timer(25, 100, "loop") is anchors.loop_median
 
 
 def test_rounds_in_config_and_timing_text(monkeypatch):

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="./bench_out", help="directory for bench.json and bench.png (default ./bench_out)")
     p.add_argument("--warmup", type=float, default=25, help="warm-up per torch measurement, ms (default 25)")
     p.add_argument("--rep", type=float, default=100, help="timed span per torch measurement, ms (default 100)")
+    p.add_argument("--timer", choices=("flush", "loop"), default="flush",
+                   help="torch implementations: flush (L2 flushed before each timed call, default) or loop (30 "
+                        "calls back to back between CUDA events, median of 5: FA3's protocol)")
     p.add_argument("--rounds", type=_positive_int, default=1,
                    help="measure each shape this many times, interleaved across the implementations, and report "
                         "the median per point (one GPU's single points vary by a few %% between runs; default 1)")
@@ -103,15 +106,20 @@ def shapes(args):
 def _config(args) -> dict:
     return {"dtype": args.dtype, "seqlens": args.seqlens, "hdims": args.hdims, "causal": args.causals,
             "fwd_only": args.fwd_only, "path": args.path, "warmup_ms": args.warmup, "rep_ms": args.rep,
-            "rounds": args.rounds, "total_tokens": report.TOTAL_TOKENS, "hidden": report.HIDDEN}
+            "timer": args.timer, "rounds": args.rounds, "total_tokens": report.TOTAL_TOKENS,
+            "hidden": report.HIDDEN}
 
 
 def _timing(args, torch_timer: str) -> dict:
     """How each number was taken; the rounds are named only when there are several, so one round reads as
     before."""
     rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
+    if args.timer == "loop":
+        torch = "CUDA events around 30 back-to-back calls (no L2 flush), median of 5 loops"
+    else:
+        torch = f"{torch_timer}, median, L2 flushed per call, warm-up {args.warmup} ms, timed {args.rep} ms"
     return {
-        "torch": f"{torch_timer}, median, L2 flushed per call, warm-up {args.warmup} ms, timed {args.rep} ms{rounds}",
+        "torch": torch + rounds,
         "fa3": f"host perf_counter around 30 calls + block_until_ready (JAX runs on its own stream), median of 5"
                f"{rounds}",
     }
@@ -220,7 +228,7 @@ def run(args, argv) -> int:
         print("nothing to run: no implementation is available", file=sys.stderr)
         return 2
     impl_names = [i.name for i, _ in impls]
-    timer = anchors.make_torch_timer(args.warmup, args.rep)
+    timer = anchors.make_torch_timer(args.warmup, args.rep, args.timer)
 
     def free_gpu():
         gc.collect()
