@@ -455,220 +455,236 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int const stage_q = read_q.index();
     int const stage_do = read_do.index();
     bool const needs_mask = mask.block_needs_mask(kIsBand, m_block, n_block, kBlockM, kBlockN);
-    Tensor acc_s = partition_fragment_C(mma_sdp, TileSdP{});
-    Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
+    // kMaskMode 0: the mask applied where needs_mask says; 1 / 2: this copy of the step always / never
+    // applies it. The band kernels of the dq_overlap order without softcap run two copies, so that the
+    // steps that need no mask (all but the diagonal ones under a causal mask) run the non-band
+    // kernel's step, its next-step LSE / D load behind the GEMMs included. H200, d 128: +1-2% on
+    // unmasked work (window (-1, s)), +0.5-1.5% causal at 2k-16k; the load alone, with the mask
+    // branch still in the step, measured nothing (benchmarks/NOTES.md, session 39).
+    auto step_body = [&](auto mask_mode) {
+      constexpr int kMaskMode = decltype(mask_mode)::value;
+      bool const apply_mask = kMaskMode == 0 ? needs_mask : kMaskMode == 1;
+      Tensor acc_s = partition_fragment_C(mma_sdp, TileSdP{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, TileSdP{});
 
-    if constexpr (kSwap) {
-      // The thread's score coordinates and dS store addresses anew each step (special_regs.h): held
-      // across the walk they spilled at d = 64.
-      int const t_step = thread_idx_reread() - 128;
-      Tensor tScS = thr_sdp_of(t_step);
-      constexpr bool kLag = Traits::kdQLag;
-      // The next step's LSE / D global load: issued behind this step's S^T and dP^T GEMMs in the
-      // dq_overlap order without a mask or softcap (its ~40 instructions then no longer delay the
-      // S^T issue: H100, d = 128, +1-3% at 1k-16k), ahead of them elsewhere (the same move measured
-      // 1-3% slower at causal 1k-4k; benchmarks/NOTES.md, session 34).
-      constexpr bool kStatAfterGemms = !kIsBand && !kHasSoftcap && Traits::kdQPerWg && !kLag;
-      auto next_stat_of = [&] { return stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f; };
-      float next_stat = kStatAfterGemms ? 0.f : next_stat_of();
-      float const* stat_lse = ss.smem_stats[step % 2];
-      float const* stat_d = stat_lse + kBlockM;
-      auto s_gemm = [&] {
+      if constexpr (kSwap) {
+        // The thread's score coordinates and dS store addresses anew each step (special_regs.h): held
+        // across the walk they spilled at d = 64.
+        int const t_step = thread_idx_reread() - 128;
+        Tensor tScS = thr_sdp_of(t_step);
+        constexpr bool kLag = Traits::kdQLag;
+        // The next step's LSE / D global load: issued behind this step's S^T and dP^T GEMMs in the
+        // dq_overlap order without softcap, in steps without mask code (its ~40 instructions then no
+        // longer delay the S^T issue: H100, d = 128, +1-3% at 1k-16k), ahead of them elsewhere (in a
+        // step with the mask branch the same move measured 1-3% slower at causal 1k-4k, session 34).
+        constexpr bool kMaskFree = kMaskMode == 2 || (kMaskMode == 0 && !kIsBand);
+        constexpr bool kStatAfterGemms = kMaskFree && !kHasSoftcap && Traits::kdQPerWg && !kLag;
+        auto next_stat_of = [&] { return stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f; };
+        float next_stat = kStatAfterGemms ? 0.f : next_stat_of();
+        float const* stat_lse = ss.smem_stats[step % 2];
+        float const* stat_d = stat_lse + kBlockM;
+        auto s_gemm = [&] {
+          pipeline_q.consumer_wait(read_q);
+          wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
+        };
+        // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
+        // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
+        // accumulators and dP^T's from being live together).
+        if (kLag && step > 0) {
+          Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
+          dq_gemm((step + 1) % 2, 0, acc_dq_prev);
+          s_gemm();
+          warpgroup_wait<1>();  // the previous dQ done; S^T running
+          put_dq(acc_dq_prev, prev, step == 1);
+        } else {
+          s_gemm();
+        }
+        pipeline_do.consumer_wait(read_do);
+        wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
+        if constexpr (kStatAfterGemms) { next_stat = next_stat_of(); }
+        if constexpr (kHasSoftcap) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          warpgroup_fence_operand(acc_dp);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            float const t = tanhf(acc_s(i) * params.fwd.softcap_scale);
+            acc_dp(i) = (acc_dp(i) - stat_d[get<1>(tScS(i))]) * (1.f - t * t);  // (dP - D) t', before masking
+            acc_s(i) = t;
+          }
+          if (apply_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]);
+            acc_dp(i) *= acc_s(i);
+          }
+        } else {
+          warpgroup_wait<1>();  // S^T done; dP^T still running
+          warpgroup_fence_operand(acc_s);
+          if (apply_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
+        }
+        constexpr bool kOverlap = Traits::kdQPerWg && !kLag;
+        // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready; with it, dV follows
+        // the dS stores and dK the dQ GEMM.
+        Tensor rP = convert_fragment<Element>(acc_s);
+        auto dv_gemm = [&] {
+          wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage_do), acc_dv);
+        };
+        if constexpr (!kOverlap) { dv_gemm(); }
+        if constexpr (!kHasSoftcap) {
+          warpgroup_wait<kOverlap ? 0 : 1>();  // dP^T done (dV still running if issued)
+          warpgroup_fence_operand(acc_dp);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
+        }
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        auto dk_gemm = [&] {
+          wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage_q), acc_dk);
+        };
+        if constexpr (!kOverlap) { dk_gemm(); }
+        // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
+        // row perm^-1(q) (Traits::dQRowPerm). Its buffer was last read by step s - 2's dQ GEMMs, which
+        // both warpgroups completed before step s - 1's kPdSFull.
+        int const ds_stage = step % 2;
+        auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
+        auto smem_thr_ds = smem_copy_ds.get_thread_slice(t_step);
+        copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
+             smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
+                                         .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
+        if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
+        if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+        // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
+        // kLag: no dQ in this step (the next one issues it).
+        Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+        if constexpr (!kLag) { dq_gemm(ds_stage, 0, acc_dq); }
+        if constexpr (kOverlap) {
+          warpgroup_wait<1>();  // dV done; dQ still running
+          warpgroup_fence_operand(rP);
+          warpgroup_fence_operand(acc_dv);
+          pipeline_do.consumer_release(read_do);
+          dk_gemm();
+          warpgroup_wait<1>();  // dQ done; dK still running
+          put_dq(acc_dq, st, step == 0);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(rdS);
+          warpgroup_fence_operand(acc_dk);
+          pipeline_q.consumer_release(read_q);
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(rP);
+          warpgroup_fence_operand(rdS);
+          warpgroup_fence_operand(acc_dv);
+          warpgroup_fence_operand(acc_dk);
+          pipeline_q.consumer_release(read_q);
+          pipeline_do.consumer_release(read_do);
+          if constexpr (!kLag) { put_dq(acc_dq, st, step == 0); }
+        }
+      } else {
+        Tensor tScS_rc = rowcol(tScS);
+        constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+        // This thread's rows' LSE and D; loads issued before the GEMMs to hide their latency.
+        float lse_log2[kRows], dsum[kRows];
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          lse_log2[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), true);
+          dsum[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), false);
+        }
         pipeline_q.consumer_wait(read_q);
-        wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
-      };
-      // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
-      // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
-      // accumulators and dP^T's from being live together).
-      if (kLag && step > 0) {
-        Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
-        dq_gemm((step + 1) % 2, 0, acc_dq_prev);
-        s_gemm();
-        warpgroup_wait<1>();  // the previous dQ done; S^T running
-        put_dq(acc_dq_prev, prev, step == 1);
-      } else {
-        s_gemm();
-      }
-      pipeline_do.consumer_wait(read_do);
-      wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
-      if constexpr (kStatAfterGemms) { next_stat = next_stat_of(); }
-      if constexpr (kHasSoftcap) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-        warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          float const t = tanhf(acc_s(i) * params.fwd.softcap_scale);
-          acc_dp(i) = (acc_dp(i) - stat_d[get<1>(tScS(i))]) * (1.f - t * t);  // (dP - D) t', before masking
-          acc_s(i) = t;
-        }
-        if (needs_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]);
-          acc_dp(i) *= acc_s(i);
-        }
-      } else {
-        warpgroup_wait<1>();  // S^T done; dP^T still running
-        warpgroup_fence_operand(acc_s);
-        if (needs_mask) { mask.apply<kIsBand, true>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = exp2f(acc_s(i) * scale_log2 - stat_lse[get<1>(tScS(i))]); }
-      }
-      constexpr bool kOverlap = Traits::kdQPerWg && !kLag;
-      // Without kOverlap dV and dK are issued as soon as P^T and dS^T are ready; with it, dV follows
-      // the dS stores and dK the dQ GEMM.
-      Tensor rP = convert_fragment<Element>(acc_s);
-      auto dv_gemm = [&] {
-        wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage_do), acc_dv);
-      };
-      if constexpr (!kOverlap) { dv_gemm(); }
-      if constexpr (!kHasSoftcap) {
-        warpgroup_wait<kOverlap ? 0 : 1>();  // dP^T done (dV still running if issued)
-        warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
-      }
-      Tensor rdS = convert_fragment<Element>(acc_dp);
-      auto dk_gemm = [&] {
-        wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage_q), acc_dk);
-      };
-      if constexpr (!kOverlap) { dk_gemm(); }
-      // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
-      // row perm^-1(q) (Traits::dQRowPerm). Its buffer was last read by step s - 2's dQ GEMMs, which
-      // both warpgroups completed before step s - 1's kPdSFull.
-      int const ds_stage = step % 2;
-      auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
-      auto smem_thr_ds = smem_copy_ds.get_thread_slice(t_step);
-      copy(smem_copy_ds, smem_thr_ds.retile_S(rdS),
-           smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
-                                       .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
-      if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
-      if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
-      // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
-      // kLag: no dQ in this step (the next one issues it).
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
-      if constexpr (!kLag) { dq_gemm(ds_stage, 0, acc_dq); }
-      if constexpr (kOverlap) {
-        warpgroup_wait<1>();  // dV done; dQ still running
-        warpgroup_fence_operand(rP);
-        warpgroup_fence_operand(acc_dv);
-        pipeline_do.consumer_release(read_do);
-        dk_gemm();
-        warpgroup_wait<1>();  // dQ done; dK still running
-        put_dq(acc_dq, st, step == 0);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(rdS);
-        warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_q);
-      } else {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(rP);
-        warpgroup_fence_operand(rdS);
-        warpgroup_fence_operand(acc_dv);
-        warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_q);
-        pipeline_do.consumer_release(read_do);
-        if constexpr (!kLag) { put_dq(acc_dq, st, step == 0); }
-      }
-    } else {
-      Tensor tScS_rc = rowcol(tScS);
-      constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-      // This thread's rows' LSE and D; loads issued before the GEMMs to hide their latency.
-      float lse_log2[kRows], dsum[kRows];
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        lse_log2[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), true);
-        dsum[mi] = row_stat(st, get<0>(tScS_rc(mi, 0)), false);
-      }
-      pipeline_q.consumer_wait(read_q);
-      wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, acc_s);
-      pipeline_do.consumer_wait(read_do);
-      wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
-      Tensor s = rowcol(acc_s);
-      Tensor dp = rowcol(acc_dp);
-      if constexpr (kHasSoftcap) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-        warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
+        wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, acc_s);
+        pipeline_do.consumer_wait(read_do);
+        wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
+        Tensor s = rowcol(acc_s);
+        Tensor dp = rowcol(acc_dp);
+        if constexpr (kHasSoftcap) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          warpgroup_fence_operand(acc_dp);
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) {
-            float const t = tanhf(s(mi, ni) * params.fwd.softcap_scale);
-            dp(mi, ni) = (dp(mi, ni) - dsum[mi]) * (1.f - t * t);  // (dP - D) t', t' before any masking
-            s(mi, ni) = t;
+          for (int mi = 0; mi < kRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(s); ++ni) {
+              float const t = tanhf(s(mi, ni) * params.fwd.softcap_scale);
+              dp(mi, ni) = (dp(mi, ni) - dsum[mi]) * (1.f - t * t);  // (dP - D) t', t' before any masking
+              s(mi, ni) = t;
+            }
+          }
+          if (apply_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(s); ++ni) {
+              float const pr = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]);
+              s(mi, ni) = pr;
+              dp(mi, ni) *= pr;
+            }
+          }
+        } else {
+          warpgroup_wait<1>();  // S done; dP still running
+          warpgroup_fence_operand(acc_s);
+          if (apply_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(s); ++ni) { s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]); }
+          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dp);
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(dp); ++ni) { dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum[mi]); }
           }
         }
-        if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) {
-            float const pr = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]);
-            s(mi, ni) = pr;
-            dp(mi, ni) *= pr;
-          }
-        }
-      } else {
-        warpgroup_wait<1>();  // S done; dP still running
-        warpgroup_fence_operand(acc_s);
-        if (needs_mask) { mask.apply<kIsBand>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN); }
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) { s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse_log2[mi]); }
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(dp); ++ni) { dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum[mi]); }
-        }
-      }
-      Tensor rP = convert_fragment<Element>(acc_s);
-      Tensor rdS = convert_fragment<Element>(acc_dp);
-      if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
-      auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
-      auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
-      copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sP)));
-      copy(smem_copy_pds, smem_thr_pds.retile_S(rdS),
-           smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sdS(_, _, 0))));
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
-      cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+        Tensor rP = convert_fragment<Element>(acc_s);
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        if (step > 0) { cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSEmpty)); }
+        auto smem_copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+        auto smem_thr_pds = smem_copy_pds.get_thread_slice(thread_idx);
+        copy(smem_copy_pds, smem_thr_pds.retile_S(rP), smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sP)));
+        copy(smem_copy_pds, smem_thr_pds.retile_S(rdS),
+             smem_thr_pds.partition_D(as_position_independent_swizzle_tensor(sdS(_, _, 0))));
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+        cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
 
-      // dQ's first pass is staged while dV and dK run; dO (one stage at d = 256) is released once dV
-      // is done and Q once dK is, so that their next loads overlap the rest of the step. The second
-      // pass (d = 256) is issued behind dK into the same registers.
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
-      dq_gemm(0, 0, acc_dq);
-      wg_gemm<false, -1>(mma_dv, wg_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage_do), acc_dv);
-      wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage_q), acc_dk);
-      warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
-      warpgroup_fence_operand(acc_dq);
-      dq_begin(st, step == 0);
-      dq_put(acc_dq, 0, st);
-      warpgroup_wait<1>();  // dV done; dK still running
-      warpgroup_fence_operand(acc_dv);
-      pipeline_do.consumer_release(read_do);
-      static_assert(Traits::kdQPasses <= 2);
-      if constexpr (Traits::kdQPasses == 2) {
-        dq_gemm(0, 1, acc_dq);
-        warpgroup_wait<1>();  // dK done; dQ's second pass still running
-        warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_q);
-        warpgroup_wait<0>();
+        // dQ's first pass is staged while dV and dK run; dO (one stage at d = 256) is released once dV
+        // is done and Q once dK is, so that their next loads overlap the rest of the step. The second
+        // pass (d = 256) is issued behind dK into the same registers.
+        Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+        dq_gemm(0, 0, acc_dq);
+        wg_gemm<false, -1>(mma_dv, wg_dv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage_do), acc_dv);
+        wg_gemm<false, -1>(mma_dk, wg_dk.partition_fragment_A(sdSt(_, _, 0)), tdKrQt(_, _, _, stage_q), acc_dk);
+        warpgroup_wait<2>();  // dQ (first pass) done; dV and dK still running
         warpgroup_fence_operand(acc_dq);
-        dq_put(acc_dq, 1, st);
-      } else {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dk);
-        pipeline_q.consumer_release(read_q);
+        dq_begin(st, step == 0);
+        dq_put(acc_dq, 0, st);
+        warpgroup_wait<1>();  // dV done; dK still running
+        warpgroup_fence_operand(acc_dv);
+        pipeline_do.consumer_release(read_do);
+        static_assert(Traits::kdQPasses <= 2);
+        if constexpr (Traits::kdQPasses == 2) {
+          dq_gemm(0, 1, acc_dq);
+          warpgroup_wait<1>();  // dK done; dQ's second pass still running
+          warpgroup_fence_operand(acc_dk);
+          pipeline_q.consumer_release(read_q);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dq);
+          dq_put(acc_dq, 1, st);
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dk);
+          pipeline_q.consumer_release(read_q);
+        }
+        dq_end();
       }
-      dq_end();
+    };
+    if constexpr (kIsBand && kSwap && !kHasSoftcap && Traits::kdQPerWg && !Traits::kdQLag) {
+      if (needs_mask) { step_body(Int<1>{}); } else { step_body(Int<2>{}); }
+    } else {
+      step_body(Int<0>{});
     }
     ++read_q;
     ++read_do;
