@@ -305,6 +305,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   pdl_wait_prior_grids();  // D and the LSE come from the preprocess
   constexpr bool kSwap = Traits::kSwapSdP;
+  // Steps of the dq_overlap order without softcap issue the next step's LSE / D load behind their S^T
+  // and dP^T GEMMs where they carry no mask code (see step_body below).
+  constexpr bool kStatAfterGemmsOrder = kSwap && !kHasSoftcap && Traits::kdQPerWg && !Traits::kdQLag;
   int const thread_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadK mma_dk;
@@ -478,7 +481,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // longer delay the S^T issue: H100, d = 128, +1-3% at 1k-16k), ahead of them elsewhere (in a
         // step with the mask branch the same move measured 1-3% slower at causal 1k-4k, session 34).
         constexpr bool kMaskFree = kMaskMode == 2 || (kMaskMode == 0 && !kIsBand);
-        constexpr bool kStatAfterGemms = kMaskFree && !kHasSoftcap && Traits::kdQPerWg && !kLag;
+        constexpr bool kStatAfterGemms = kMaskFree && kStatAfterGemmsOrder;
         auto next_stat_of = [&] { return stat_thread && step + 1 < num_steps ? load_stat(next) : 0.f; };
         float next_stat = kStatAfterGemms ? 0.f : next_stat_of();
         float const* stat_lse = ss.smem_stats[step % 2];
@@ -681,7 +684,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         dq_end();
       }
     };
-    if constexpr (kIsBand && kSwap && !kHasSoftcap && Traits::kdQPerWg && !Traits::kdQLag) {
+    if constexpr (kIsBand && kStatAfterGemmsOrder) {
       if (needs_mask) { step_body(Int<1>{}); } else { step_body(Int<2>{}); }
     } else {
       step_body(Int<0>{});

@@ -89,7 +89,8 @@ def cuda_event_median(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
 def loop_median(fn, iters: int = 30, repeats: int = 5) -> float:
     """fn() back to back without flushes, as jax_median times FA3: CUDA events around iters calls, median of
     several such loops. The GPU then runs at the duty cycle FA3's timing gives it (no flush between calls,
-    which lowers the average power of short calls), and the host stays ahead of the queue."""
+    which lowers the average power of short calls); a call whose host path outlasts its kernel is timed at
+    the host's pace, as it would run in a loop of the user's."""
     import torch
     fn()
     torch.cuda.synchronize()
