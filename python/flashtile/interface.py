@@ -19,6 +19,7 @@ from . import _validate as V
 from .build_config import require_kernel
 from .ops import _eager
 from .ops import attention as _fwd_op
+from .ops import attention_eager as _fwd_op_eager
 
 
 def _resolve_path(path: str) -> int:
@@ -65,7 +66,7 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         key = _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic, pack)
         args = _validated.get(key) if key is not None else None
         if args is not None:
-            return _fwd_op(q, k, v, None, None, None, None, *args)
+            return _fwd_op_eager(q, k, v, None, None, None, None, *args)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
     V.check_tensor("k", k, 3 if varlen_k else 4)

@@ -340,15 +340,48 @@ def test_bwd_failure_raises_kernel_error(lib, rc):
     ((1, 5, 2, 72), False, 1, (1, 2, 128, 96)),        # head dim rounded up to its bucket
     ((13, 4, 64), True, 3, (4, 13 + 3 * 128, 64)),     # packed: batches spaced FT_BWD_ACCUM_ROW_PAD apart
 ])
-def test_dq_accum_is_padded_to_whole_tiles(shape, varlen, batch, expected):
-    from flashtile import ops
-    acc, done = ops._dq_workspace(torch.empty(shape, dtype=torch.bfloat16), batch, varlen, 3)
-    assert tuple(acc.shape) == expected and acc.dtype == torch.float32 and acc.is_contiguous()
-    # The dq_done counters (batch * KV heads, int32) start right after the accumulator's extent, in the
-    # same allocation, so that the launcher's one memset clears both.
-    assert done.dtype == torch.int32 and tuple(done.shape) == (batch * 3,)
-    assert done.data_ptr() == acc.data_ptr() + acc.numel() * 4
-    assert done.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr()
+def test_bwd_workspace_layout(shape, varlen, batch, expected):
+    """One fp32 allocation holds the dq accumulator (head-major, padded to whole tiles), the dq_done
+    counters right after its extent (one memset clears both), then the softmax row sums and the
+    log2-scaled LSE at 128-byte boundaries, none overlapping."""
+    q = torch.empty(shape, dtype=torch.bfloat16)
+    lse_numel = 7 * 13 + 5
+    strides, done, dsum, lse_log2, total = ops._bwd_workspace_layout(q, batch, varlen, 3, lse_numel)
+    acc = torch.empty(expected)  # the accumulator as a contiguous tensor of the expected shape
+    if varlen:
+        assert strides == (0, acc.stride(1), acc.stride(0))
+    else:
+        assert strides == (acc.stride(0), acc.stride(2), acc.stride(1))
+    assert done == acc.numel()
+    regions = [(0, done + batch * 3), (dsum, dsum + lse_numel), (lse_log2, lse_log2 + lse_numel)]
+    assert all(a % 32 == 0 for a, _ in regions)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(regions, regions[1:])) and regions[-1][1] == total
+
+
+def test_bwd_params_plan_reuse(lib):
+    """A second backward with the same metadata reuses the cached struct: identical fields except the
+    data and workspace pointers; another mode or mask misses the cache; a misaligned q still fails."""
+    q, k, v, out, lse = _padded_case(b=1, sq=40, sk=40, h=2, hk=2, d=64, dv=64)
+    dout = _rand(*out.shape)
+    per_call = {"dout", "dq", "dk", "dv", "dq_accum", "dsoftmax_sum", "lse_log2", "dq_done", "dq_semaphore",
+                "deterministic", "fwd"}
+    q1, q2 = q.clone(), q.clone()
+    for qi in (q1, q2):
+        _bwd(lib, dout, qi, k, v, out, lse, scale=0.3, causal=True, right=0)
+    _bwd(lib, dout, q, k, v, out, lse, deterministic=True, scale=0.3, causal=True, right=0)
+    _bwd(lib, dout, q, k, v, out, lse, scale=0.3)
+    (p1, _, _), (p2, _, _), (p3, _, _), (p4, _, _) = lib.bwd_calls
+    f1, f2 = _struct_fields(p1), _struct_fields(p2)
+    assert {n for n in f1 if f1[n] != f2[n]} <= per_call
+    g1, g2 = _struct_fields(p1.fwd), _struct_fields(p2.fwd)
+    assert {n for n in g1 if g1[n] != g2[n]} <= {"q", "k", "v", "out", "lse"}
+    assert (p1.fwd.q, p2.fwd.q) == (q1.data_ptr(), q2.data_ptr())  # each call's own q, never the template's
+    assert (p1.deterministic, p2.deterministic, p3.deterministic) == (0, 0, ops._DETERMINISTIC_MODE)
+    assert not p2.dq_semaphore and p3.dq_semaphore
+    assert (p2.fwd.is_causal, p4.fwd.is_causal) == (1, 0)
+    shifted = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape)
+    with pytest.raises(ValueError, match=r"q data pointer must be 16-byte aligned"):
+        _bwd(lib, dout, shifted, k, v, out, lse, scale=0.3, causal=True, right=0)
 
 
 def test_bwd_params_deterministic_without_rotation(lib, monkeypatch):

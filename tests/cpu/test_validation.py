@@ -506,7 +506,8 @@ def test_validated_calls_are_cached_by_metadata(monkeypatch):
     """Eager padded calls skip re-validation only when every piece of metadata and every argument is
     the same as a call that passed; anything else is validated (and rejected) afresh."""
     calls = []
-    monkeypatch.setattr(interface, "_fwd_op", lambda *args: calls.append(args) or (args[0], None))
+    for op in ("_fwd_op", "_fwd_op_eager"):  # the cached path calls the op's eager body directly
+        monkeypatch.setattr(interface, op, lambda *args: calls.append(args) or (args[0], None))
     monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
     monkeypatch.setattr(interface.V, "check_same_device", lambda tensors: None)
     monkeypatch.setattr(interface, "require_kernel", lambda **kw: ("stand-in",))
@@ -521,7 +522,8 @@ def test_validated_calls_are_cached_by_metadata(monkeypatch):
     assert checks == ["q", "k", "v"] and calls[2][10] is False
     monkeypatch.undo()
     monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
-    monkeypatch.setattr(interface, "_fwd_op", lambda *args: (args[0], None))
+    for op in ("_fwd_op", "_fwd_op_eager"):
+        monkeypatch.setattr(interface, op, lambda *args: (args[0], None))
     with pytest.raises(ValueError, match=r"window_size"):
         flash_attn_func(q, k, v, window_size=(-5, 0))
     with pytest.raises(ValueError, match=r"k batch size"):
