@@ -37,19 +37,25 @@ def _check_unsupported(qv, attention_chunk, num_splits) -> None:
         V.not_implemented(f"split-KV (num_splits={num_splits})")
 
 
-# Padded-layout calls whose tensor metadata and arguments were validated before -> the op's validated
-# scalar arguments. Validation reads metadata only, so an equal key passes the same checks; base
-# addresses (the one per-call property) are checked by the op itself. Eager calls only (traced calls
-# keep every check visible to the tracer).
+# Calls whose tensor metadata and arguments were validated before -> the op's validated scalar
+# arguments. Validation reads metadata only, so an equal key passes the same checks; base addresses (the
+# one per-call property) are checked by the op itself. Eager calls only (traced calls keep every check
+# visible to the tracer).
 _validated: dict = {}
 _VALIDATED_MAX = 1024
 
 
-def _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic, pack_gqa):
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _validated_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_size, softcap, path, deterministic, pack_gqa):
     try:
         return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
-                v.stride(), v.dtype, v.device, softmax_scale, bool(causal), tuple(window_size), float(softcap),
-                path, bool(deterministic), pack_gqa)
+                v.stride(), v.dtype, v.device, _meta(cu_seqlens_q), _meta(cu_seqlens_k), _meta(seqused_q),
+                _meta(seqused_k), max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), tuple(window_size),
+                float(softcap), path, bool(deterministic), pack_gqa)
     except (AttributeError, TypeError, ValueError):
         return None  # not tensors / odd arguments: the full checks report them
 
@@ -61,12 +67,12 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         V._fail("pack_gqa", f"must be None (heuristic), True or False, got {pack_gqa!r}")
     pack = 0 if pack_gqa is None else (1 if pack_gqa else -1)
-    if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None
-            and descales == (None, None, None) and _eager(q, k, v)):
-        key = _validated_key(q, k, v, softmax_scale, causal, window_size, softcap, path, deterministic, pack)
+    if descales == (None, None, None) and _eager(q, k, v):
+        key = _validated_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal, window_size, softcap, path, deterministic, pack)
         args = _validated.get(key) if key is not None else None
         if args is not None:
-            return _fwd_op_eager(q, k, v, None, None, None, None, *args)
+            return _fwd_op_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     V.check_tensor("q", q, 3 if varlen_q else 4)
     V.check_tensor("k", k, 3 if varlen_k else 4)

@@ -68,8 +68,7 @@ def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_se
     p.lse_batch_stride, p.lse_head_stride = _lse_strides(lse, varlen_q)
     p.k_batch_stride, p.k_row_stride, p.k_head_stride = _strides(k, varlen_k)
     p.v_batch_stride, p.v_row_stride, p.v_head_stride = _strides(v, varlen_k)
-    p.cu_seqlens_q, p.cu_seqlens_k = _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)
-    p.seqused_q, p.seqused_k = _ptr(seqused_q), _ptr(seqused_k)
+    _set_seq_pointers(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     p.batch, p.seqlen_q, p.seqlen_k = _batch(q, cu_seqlens_q), max_seqlen_q, max_seqlen_k
     p.rows_q = q.shape[0] if varlen_q else q.shape[1]
     p.rows_k = k.shape[0] if varlen_k else k.shape[1]
@@ -81,10 +80,11 @@ def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_se
     p.pack_gqa = pack_gqa
 
 
-# Padded-layout forward calls by call metadata -> the outputs' shapes and an FtFwdParams holding
-# everything but the data pointers, which are filled per call (filling ~40 ctypes fields costs more than
-# the rest of the host path). out and lse are fresh contiguous tensors whose shapes follow from q and v,
-# so q, k and v's metadata and the scalar arguments decide the whole struct.
+# Calls by their metadata -> (for the forward) the outputs' shapes and an FtFwdParams holding everything
+# but the data pointers, which are filled per call (filling ~40 ctypes fields costs more than the rest
+# of the host path). out and lse are fresh contiguous tensors whose shapes follow from q and v, and the
+# struct reads cu_seqlens_* / seqused_* only through their pointers and cu_seqlens_q's length (the
+# batch), so the tensors' metadata and the scalar arguments decide the rest of the struct.
 _fwd_plans: dict = {}
 _bwd_plans: dict = {}
 _PLANS_MAX = 1024
@@ -118,18 +118,28 @@ def _launch(entry: str, params: ctypes.Structure, device: torch.device, what: st
 
 # ---- forward -----------------------------------------------------------------------------------------
 
+def _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars):
+    """What decides a call's struct apart from its data pointers (see _fwd_plans)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+            None if cu_seqlens_q is None else cu_seqlens_q.shape[0], cu_seqlens_k is None, seqused_q is None,
+            seqused_k is None, *scalars)
+
+
+def _set_seq_pointers(p: _lib.FtFwdParams, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> None:
+    p.cu_seqlens_q, p.cu_seqlens_k = _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)
+    p.seqused_q, p.seqused_k = _ptr(seqused_q), _ptr(seqused_k)
+
+
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa=0):
     padded = cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None
-    key = plan = None
-    if padded:
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, max_seqlen_q,
-               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
-        plan = _fwd_plans.get(key)
+    key = _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
+    plan = _fwd_plans.get(key)
     if plan is not None:
         out_shape, lse_shape, template = plan
     else:
-        out_shape, lse_shape = _out_shapes(q, v, not padded and cu_seqlens_q is not None)
+        out_shape, lse_shape = _out_shapes(q, v, cu_seqlens_q is not None)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if plan is not None:
@@ -137,6 +147,8 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
             _validate.check_data_alignment(name, t)
         p = _lib.FtFwdParams.from_buffer_copy(template)
         p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if not padded:
+            _set_seq_pointers(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     else:
         if out.numel() == 0:
             return out, lse
@@ -148,8 +160,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
         p = _lib.FtFwdParams()
         _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                          max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
-        if padded:
-            _remember(_fwd_plans, key, (out_shape, lse_shape, _lib.FtFwdParams.from_buffer_copy(p)))
+        _remember(_fwd_plans, key, (out_shape, lse_shape, _lib.FtFwdParams.from_buffer_copy(p)))
     # The tile scheduler's counter (cleared by the launch), from torch's allocator so that concurrent
     # calls and CUDA graphs each get their own.
     tile_counter = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -235,7 +246,7 @@ def _bwd_workspace_layout(q: torch.Tensor, batch: int, varlen: bool, num_heads_k
     return strides, done, dsum, lse_log2, lse_log2 + lse_numel
 
 
-def _bwd_plan(dout, q, k, v, out, lse, dlse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
               max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
               path):
     """(FtBwdParams with everything but the data and workspace pointers and the mode, workspace layout)
@@ -273,18 +284,14 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
         dlse = torch.empty_like(lse).copy_(dlse)  # dlse has no strides of its own in the ABI: lse's layout
     args = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
             window_left, window_right, softcap, deterministic, path)
-    # Padded calls reuse the struct of an earlier call with the same metadata (dq, dk, dv are fresh and
+    # A call reuses the struct of an earlier call with the same metadata (dq, dk, dv are fresh and
     # contiguous, lse contiguous: their strides follow from the shapes in the key).
-    padded = not (varlen_q or varlen_k or seqused_q is not None or seqused_k is not None)
-    key = plan = None
-    if padded:
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), lse.shape,
-               dout.shape, dout.stride(), q.dtype, q.device, *args[4:])
-        plan = _bwd_plans.get(key)
+    key = _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, out.shape, out.stride(), lse.shape,
+                    dout.shape, dout.stride(), *args[4:])
+    plan = _bwd_plans.get(key)
     if plan is None:
-        plan = _bwd_plan(dout, q, k, v, out, lse, dlse, dq, dk, dv, *args)
-        if padded:
-            _remember(_bwd_plans, key, plan)
+        plan = _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, *args)
+        _remember(_bwd_plans, key, plan)
     else:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _validate.check_data_alignment(name, t)
@@ -296,6 +303,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
     p = _lib.FtBwdParams.from_buffer_copy(template)
     f = p.fwd
     f.q, f.k, f.v, f.out, f.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    _set_seq_pointers(f, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     p.dout, p.dlse = dout.data_ptr(), _ptr(dlse)
     p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     p.dq_accum, p.dsoftmax_sum, p.lse_log2 = base, base + 4 * dsum, base + 4 * lse_log2

@@ -168,6 +168,27 @@ def test_fwd_params_varlen(lib):
     assert out.shape == (11, 4, 64) and lse.shape == (4, 11)
 
 
+def test_fwd_params_varlen_plan_reuse(lib):
+    """Packed calls reuse the struct of an earlier call with the same metadata: each call's own
+    cu_seqlens / seqused pointers, everything else identical; another batch count misses the cache."""
+    q, k, v = _rand(11, 4, 64), _rand(23, 2, 64), _rand(23, 2, 64)
+    cus = [(torch.tensor([0, 5, 5, 11], dtype=torch.int32), torch.tensor([0, 3, 20, 23], dtype=torch.int32),
+            torch.tensor([3, 10, 1], dtype=torch.int32)) for _ in range(2)]
+    for cu_q, cu_k, used_k in cus:
+        ops._fwd_impl(*_fwd_args(q, k, v, cu_q, cu_k, None, used_k, max_q=6, max_k=17))
+    cu_q3 = torch.tensor([0, 5, 11], dtype=torch.int32)
+    cu_k3 = torch.tensor([0, 3, 23], dtype=torch.int32)
+    ops._fwd_impl(*_fwd_args(q, k, v, cu_q3, cu_k3, max_q=6, max_k=20))
+    (p1, _), (p2, _), (p3, _) = lib.fwd_calls
+    f1, f2 = _struct_fields(p1), _struct_fields(p2)
+    per_call = {"q", "k", "v", "out", "lse", "tile_counter", "cu_seqlens_q", "cu_seqlens_k", "seqused_k"}
+    assert {n for n in f1 if f1[n] != f2[n]} <= per_call
+    for p, (cu_q, cu_k, used_k) in zip((p1, p2), cus):
+        assert (p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k) == (cu_q.data_ptr(), cu_k.data_ptr(), used_k.data_ptr())
+        assert not p.seqused_q
+    assert (p3.batch, p3.seqlen_k, p3.cu_seqlens_q) == (2, 20, cu_q3.data_ptr()) and not p3.seqused_k
+
+
 # ---- the backward struct -----------------------------------------------------------------------------
 
 def _padded_case(b=2, sq=70, sk=33, h=6, hk=2, d=128, dv=128):

@@ -528,3 +528,34 @@ def test_validated_calls_are_cached_by_metadata(monkeypatch):
         flash_attn_func(q, k, v, window_size=(-5, 0))
     with pytest.raises(ValueError, match=r"k batch size"):
         flash_attn_func(q, k[:1], v[:1])
+
+
+def test_validated_varlen_calls_are_cached_by_metadata(monkeypatch):
+    """Packed calls are cached too, by the metadata of cu_seqlens_* / seqused_* and the max_seqlen_*
+    values: the same metadata with other contents is served from the cache (validation never reads
+    the contents), another length, dtype or max_seqlen is validated (and rejected) afresh."""
+    calls = []
+    for op in ("_fwd_op", "_fwd_op_eager"):
+        monkeypatch.setattr(interface, op, lambda *args: calls.append(args) or (args[0], None))
+    monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
+    monkeypatch.setattr(interface.V, "check_same_device", lambda tensors: None)
+    monkeypatch.setattr(interface, "require_kernel", lambda **kw: ("stand-in",))
+    monkeypatch.setattr(interface, "_validated", {})
+    q, k, v = (torch.randn(12, h, D, dtype=BF16) for h in (H, HK, HK))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+    checks = []
+    monkeypatch.setattr(interface.V, "check_tensor", lambda *a: checks.append(a[0]))
+    cu2 = torch.tensor([0, 6, 12], dtype=torch.int32)
+    flash_attn_varlen_func(q, k, v, cu2, cu2, 7, 7, causal=True)  # same metadata: served from the cache
+    assert checks == [] and calls[1][3] is cu2 and calls[0][7:] == calls[1][7:]
+    flash_attn_varlen_func(q, k, v, cu, cu, 9, 7, causal=True)  # another max_seqlen_q: validated again
+    assert checks == ["q", "k", "v"] and calls[2][7] == 9
+    monkeypatch.undo()
+    monkeypatch.setattr(interface, "_eager", lambda *tensors: True)
+    for op in ("_fwd_op", "_fwd_op_eager"):
+        monkeypatch.setattr(interface, op, lambda *args: (args[0], None))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must have shape \(3,\)"):
+        flash_attn_varlen_func(q, k, v, cu, cu[:2], 7, 7, causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be torch.int32"):
+        flash_attn_varlen_func(q, k, v, cu.long(), cu, 7, 7, causal=True)
