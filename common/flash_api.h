@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 6
+#define FT_ABI_VERSION 7
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -55,8 +55,10 @@ typedef struct FtFwdParams {
   const int32_t* cu_seqlens_k;  // (b + 1) or NULL
   const int32_t* seqused_q;     // (b) or NULL: rows actually used per batch
   const int32_t* seqused_k;     // (b) or NULL
-  // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): one int32 of device memory, any
-  // content; the launch clears it on the stream. One per call in flight (not shared across streams).
+  // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): one int32 of device memory. With
+  // tile_counter_zeroed = 0 any content (the launch clears it on the stream) and one per call in
+  // flight; with 1 it holds zero when the launch runs and every launch leaves it zero (the kernel's
+  // last draw resets it), so one counter serves all calls ordered on one stream (never two streams).
   int32_t* tile_counter;
 
   int32_t batch;
@@ -83,6 +85,7 @@ typedef struct FtFwdParams {
   // GQA packing of the Hopper forward (the query heads of a group in one tile): 0 = heuristic,
   // 1 = on where the group fits a tile, -1 = off. Other kernels ignore it.
   int32_t pack_gqa;
+  int32_t tile_counter_zeroed;  // see tile_counter
 } FtFwdParams;
 
 // Backward pass arguments. `fwd` describes the forward call exactly as it was made (q, k, v, its output

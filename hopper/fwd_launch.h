@@ -1,6 +1,7 @@
 // Host launcher of the Hopper forward kernel: TMA descriptors for Q/K/V/O (rows, d, heads, batch),
-// dynamic shared memory opt-in, the scheduler's section size and counter reset, and the persistent
-// grid (one CTA per SM at most). Host only; instantiated once per manifest entry.
+// dynamic shared memory opt-in, the scheduler's section size and counter clear (unless the caller
+// keeps it zero), and the persistent grid (one CTA per SM at most). Host only; instantiated once per
+// manifest entry.
 #pragma once
 
 #include <algorithm>
@@ -137,8 +138,10 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter};
   if constexpr (kClusterM == 1) {
-    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
-      return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+    if (!p.tile_counter_zeroed) {
+      if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
+        return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+      }
     }
     dim3 const grid(std::min(sched.num_tiles(), num_sms));
     kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);

@@ -41,7 +41,7 @@ struct TileScheduler {
   // Band masks only: the first lead_pairs (head, batch) pairs in groups of lead_group, the rest in
   // sections of heads_per_section, each group or section longest-first.
   int heads_per_section, lead_pairs, lead_group;
-  int* tile_counter;  // zeroed before the launch; counts tiles handed out past the first wave
+  int* tile_counter;  // zero at the launch; counts tiles handed out past the first wave, zero again at the end
 
   CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
 
@@ -67,7 +67,11 @@ struct TileScheduler {
     if constexpr (kClusterM > 1) {
       return idx + int(gridDim.x) / kClusterM;
     } else {
-      return int(gridDim.x) + atomicAdd(tile_counter, 1);
+      // Each CTA draws once past the end, so the grid draws num_tiles times in all; the last draw
+      // puts the counter back to zero for the next launch on the stream (tile_counter_zeroed).
+      int const old = atomicAdd(tile_counter, 1);
+      if (old == num_tiles() - 1) { atomicExch(tile_counter, 0); }
+      return int(gridDim.x) + old;
     }
   }
 };

@@ -11,7 +11,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 6  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 7  # must equal FT_ABI_VERSION in common/flash_api.h
 BWD_SEMAPHORE_ROWS = 32  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
 
@@ -47,7 +47,7 @@ class FtFwdParams(ctypes.Structure):
         ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32), ("is_causal", ctypes.c_int32),
         ("dtype", ctypes.c_int32), ("path", ctypes.c_int32), ("device", ctypes.c_int32),
-        ("pack_gqa", ctypes.c_int32),
+        ("pack_gqa", ctypes.c_int32), ("tile_counter_zeroed", ctypes.c_int32),
     ]
 
 

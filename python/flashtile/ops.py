@@ -118,6 +118,29 @@ def _launch(entry: str, params: ctypes.Structure, device: torch.device, what: st
 
 # ---- forward -----------------------------------------------------------------------------------------
 
+# The forward scheduler's tile counter (FtFwdParams.tile_counter). Eager calls on the current device
+# share one int32 per (device, stream), kept at zero: each launch leaves it zero (tile_counter_zeroed),
+# and the launches on one stream run in order, whichever thread enqueues them. A call under stream
+# capture (its graph may be replayed beside eager calls on any stream) or for another device than the
+# current one takes a fresh counter from torch's allocator, which the launch clears.
+_kept_counters: dict = {}
+_KEPT_COUNTERS_MAX = 64
+
+
+def _tile_counter(device: torch.device) -> tuple[torch.Tensor, int]:
+    """(counter, FtFwdParams.tile_counter_zeroed) for a forward launch on device's current stream."""
+    if (device.type == "cuda" and device.index == torch._C._cuda_getDevice()
+            and not torch._C._cuda_isCurrentStreamCapturing()):
+        key = (device.index, _current_stream(device))
+        counter = _kept_counters.get(key)
+        if counter is None:
+            if len(_kept_counters) >= _KEPT_COUNTERS_MAX:
+                _kept_counters.clear()  # a dropped counter's block returns to its own stream's pool
+            counter = _kept_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return counter, 1
+    return torch.empty(1, dtype=torch.int32, device=device), 0
+
+
 def _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars):
     """What decides a call's struct apart from its data pointers (see _fwd_plans)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
@@ -161,9 +184,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
         _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                          max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
         _remember(_fwd_plans, key, (out_shape, lse_shape, _lib.FtFwdParams.from_buffer_copy(p)))
-    # The tile scheduler's counter (cleared by the launch), from torch's allocator so that concurrent
-    # calls and CUDA graphs each get their own.
-    tile_counter = torch.empty(1, dtype=torch.int32, device=q.device)
+    tile_counter, p.tile_counter_zeroed = _tile_counter(q.device)
     p.tile_counter = tile_counter.data_ptr()
     _launch("ft_mha_fwd", p, q.device, "forward")
     return out, lse

@@ -102,6 +102,7 @@ def test_fwd_params_padded(lib):
     assert not (p.cu_seqlens_q or p.cu_seqlens_k or p.seqused_q or p.seqused_k)
     # The scheduler workspace: a buffer of its own, distinct from every tensor of the call.
     assert p.tile_counter and p.tile_counter not in (p.q, p.k, p.v, p.out, p.lse)
+    assert p.tile_counter_zeroed == 0  # not a CUDA tensor on the current device: a fresh counter, cleared by the launch
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.rows_q, p.rows_k) == (3, 17, 40, 17, 40)
     assert (p.num_heads, p.num_heads_k, p.head_dim, p.head_dim_v) == (6, 2, 128, 128)
     assert (p.softmax_scale, p.softcap) == (pytest.approx(0.3), 5.0)

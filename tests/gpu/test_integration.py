@@ -127,6 +127,32 @@ def test_runs_on_current_stream(seed):
     torch.cuda.synchronize()
 
 
+def test_tile_counter_kept_zero_per_stream(seed):
+    """Eager forwards share one tile counter per (device, stream) that every launch leaves at zero:
+    back-to-back launches of different shapes and masks on two streams at once (each launch draws from
+    its stream's counter) stay correct, and both counters read zero afterwards."""
+    from flashtile import ops
+    dtype, d, dv = _pick()
+    shapes = [(2, 700, 700, 4, 2), (1, 1000, 333, 8, 8), (3, 129, 1500, 4, 1)]
+    cases = [random_qkv(*shape, d, dv, dtype=dtype, device="cuda", seed=seed + i) for i, shape in enumerate(shapes)]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for rep in range(2):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                for i, qkv in enumerate(cases):
+                    for causal in (True, False):
+                        outs.append((f"stream {streams.index(stream)} rep {rep} case {i} causal={causal}",
+                                     flash_attn_func(*qkv, causal=causal), qkv, causal))
+    torch.cuda.synchronize()
+    for name, out, qkv, causal in outs:
+        _check_ref(name, out, *qkv, causal=causal)
+    dev = torch.cuda.current_device()
+    for stream in streams:
+        assert ops._kept_counters[(dev, stream.cuda_stream)].item() == 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
 def test_tensors_on_non_current_device(seed):
     dtype, d, dv = _pick()
