@@ -17,7 +17,7 @@ import torch
 from . import _lib
 from . import _validate as V
 from .build_config import require_kernel
-from .ops import _eager
+from .ops import _eager, _remember
 from .ops import attention as _fwd_op
 from .ops import attention_eager as _fwd_op_eager
 
@@ -42,7 +42,6 @@ def _check_unsupported(qv, attention_chunk, num_splits) -> None:
 # one per-call property) are checked by the op itself. Eager calls only (traced calls keep every check
 # visible to the tracer).
 _validated: dict = {}
-_VALIDATED_MAX = 1024
 
 
 def _meta(t):
@@ -126,9 +125,7 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     args = (int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id,
             bool(deterministic), pack)
     if key is not None:
-        if len(_validated) >= _VALIDATED_MAX:
-            _validated.clear()
-        _validated[key] = args
+        _remember(_validated, key, args)
     return _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args)
 
 

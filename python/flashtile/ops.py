@@ -55,12 +55,17 @@ def _batch(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
 
 
+def _check_data_alignment(q, k, v) -> None:
+    """Base addresses, the one per-call property a cached plan cannot vouch for."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_data_alignment(name, t)
+
+
 def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                      path, pack_gqa=0) -> None:
     """The forward call's description (FtFwdParams), shared by the forward and the backward op."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _validate.check_data_alignment(name, t)
+    _check_data_alignment(q, k, v)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_batch_stride, p.q_row_stride, p.q_head_stride = _strides(q, varlen_q)
@@ -91,6 +96,7 @@ _PLANS_MAX = 1024
 
 
 def _remember(plans: dict, key, plan) -> None:
+    """plans[key] = plan, in a cache cleared whenever it reaches _PLANS_MAX entries."""
     if len(plans) >= _PLANS_MAX:
         plans.clear()
     plans[key] = plan
@@ -155,7 +161,6 @@ def _set_seq_pointers(p: _lib.FtFwdParams, cu_seqlens_q, cu_seqlens_k, seqused_q
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa=0):
-    padded = cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None
     key = _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
     plan = _fwd_plans.get(key)
@@ -166,12 +171,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if plan is not None:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _validate.check_data_alignment(name, t)
+        _check_data_alignment(q, k, v)
         p = _lib.FtFwdParams.from_buffer_copy(template)
         p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
-        if not padded:
-            _set_seq_pointers(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        _set_seq_pointers(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     else:
         if out.numel() == 0:
             return out, lse
@@ -314,8 +317,7 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
         plan = _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, *args)
         _remember(_bwd_plans, key, plan)
     else:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _validate.check_data_alignment(name, t)
+        _check_data_alignment(q, k, v)
     template, (done, dsum, lse_log2, total, semaphores) = plan
     # Workspaces (through torch's allocator): one fp32 allocation (the backward clears the dq accumulator
     # and dq_done, and writes the others), and the deterministic mode's zeroed semaphores.
