@@ -305,15 +305,17 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
 // against the 128-row tile on an H100 (bf16, benchmarks/NOTES.md session 13): d 64 1.04-1.11x
 // non-causal at 2k-16k and 1.06-1.07x causal at 8k-16k; d 128 (192 x 80 against 128 x 128)
 // 1.04-1.10x non-causal at 2k-16k and 1.04-1.11x causal at 8k-16k (both 0.99-1.00x causal at 4k).
-// Below the thresholds it loses (d 64: 0.98x non-causal at 1k, 0.85-0.93x causal at 512-1k): 192
-// rows leave more of the last query block empty (a seqlen of 1k fills 5.3 of 6 blocks) and, under a
-// band mask, compute more of the masked-out corner of each diagonal block.
-constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, bool is_band, int seqlen_q) {
+// Causal 2k (H200, session 41): +5-8% at d 64, +2-3% at d 128, so band masks take it from 2k too.
+// Below 2k it loses (d 64: 0.98x non-causal at 1k, 0.85-0.93x causal at 512-1k; causal 1k on an
+// H200: d 64 0.97x, d 128 0.94x): 192 rows leave more of the last query block empty (a seqlen of 1k
+// fills 5.3 of 6 blocks) and, under a band mask, compute more of the masked-out corner of each
+// diagonal block.
+constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, int seqlen_q) {
   if (hopper_fwd_tile(head_dim, head_dim_v, true).block_m == hopper_fwd_tile(head_dim, head_dim_v).block_m) {
     return false;
   }
   if (FLASHTILE_HOPPER_FWD_TALL >= 0) { return FLASHTILE_HOPPER_FWD_TALL == 1; }
-  return seqlen_q >= (is_band ? 4096 : 2048);
+  return seqlen_q >= 2048;
 }
 
 // Build-time override of hopper_fwd_k_ahead_band: 0 never, 1 wherever the tile allows; -1 = policy.

@@ -184,7 +184,7 @@ LaunchStatus run_fwd(FwdParams const& params, cudaStream_t stream) {
   using Traits = FwdTraits<Element, kHeadDim, kHeadDimV>;
   using TraitsTall = FwdTraits<Element, kHeadDim, kHeadDimV, true>;
   if constexpr (TraitsTall::kBlockM != Traits::kBlockM) {
-    if (hopper_fwd_tall(kHeadDim, kHeadDimV, kIsBand, params.abi.seqlen_q)) {
+    if (hopper_fwd_tall(kHeadDim, kHeadDimV, params.abi.seqlen_q)) {
       return run_fwd_tile<TraitsTall, kIsBand, kHasSoftcap>(params, stream);
     }
   }

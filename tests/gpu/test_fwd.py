@@ -279,8 +279,8 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-# Hopper forward at d <= 128 with about 4k query rows (the tile policy's tall tile: 192 rows on three
-# consumer warpgroups, chosen by hopper_fwd_tall from seqlen_q 2k without a band mask and 4k with one):
+# Hopper forward at d <= 128 with 2k-4k query rows (the tile policy's tall tile: 192 rows on three
+# consumer warpgroups, chosen by hopper_fwd_tall from seqlen_q 2k, with or without a band mask):
 # an odd number of query blocks (4000 rows: 21 blocks, the cluster-less kernel) and an even one (4224
 # rows: 22 blocks, 2-CTA clusters), a partial last block (under a band mask, 4100 / 4097 / 4096 rows
 # leave its last warpgroups' rows all past seqlen_q, and those walk one block), fewer keys than
@@ -290,6 +290,7 @@ TALL_CASES = {
     "full-odd": dict(sq=4000, sk=3001, h=2, hk=2, causal=False),
     "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
     "causal": dict(sq=4100, sk=3900, h=2, hk=2, causal=True),
+    "causal-2k": dict(sq=2050, sk=2050, h=2, hk=2, causal=True),
     "local": dict(sq=4097, sk=4097, h=2, hk=2, window_size=(300, 40)),
     "pack": dict(sq=4096, sk=4096, h=8, hk=2, causal=True, pack_gqa=True),
 }
