@@ -305,7 +305,8 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
 // against the 128-row tile on an H100 (bf16, benchmarks/NOTES.md session 13): d 64 1.04-1.11x
 // non-causal at 2k-16k and 1.06-1.07x causal at 8k-16k; d 128 (192 x 80 against 128 x 128)
 // 1.04-1.10x non-causal at 2k-16k and 1.04-1.11x causal at 8k-16k (both 0.99-1.00x causal at 4k).
-// Causal 2k (H200, session 41): +5-8% at d 64, +2-3% at d 128, so band masks take it from 2k too.
+// Causal 2k (session 41): d 64 +5-8% (H200) / +4.5% (H100), d 128 +1.5-3% / +1.5%, so band masks
+// take it from 2k too.
 // Below 2k it loses (d 64: 0.98x non-causal at 1k, 0.85-0.93x causal at 512-1k; causal 1k on an
 // H200: d 64 0.97x, d 128 0.94x): 192 rows leave more of the last query block empty (a seqlen of 1k
 // fills 5.3 of 6 blocks) and, under a band mask, compute more of the masked-out corner of each
