@@ -95,11 +95,12 @@ _bwd_plans: dict = {}
 _PLANS_MAX = 1024
 
 
-def _remember(plans: dict, key, plan) -> None:
-    """plans[key] = plan, in a cache cleared whenever it reaches _PLANS_MAX entries."""
-    if len(plans) >= _PLANS_MAX:
+def _remember(plans: dict, key, plan, limit: int = _PLANS_MAX):
+    """plans[key] = plan, in a cache cleared whenever it reaches `limit` entries; returns plan."""
+    if len(plans) >= limit:
         plans.clear()
     plans[key] = plan
+    return plan
 
 
 def _current_stream(device: torch.device) -> int:
@@ -140,9 +141,9 @@ def _tile_counter(device: torch.device) -> tuple[torch.Tensor, int]:
         key = (device.index, _current_stream(device))
         counter = _kept_counters.get(key)
         if counter is None:
-            if len(_kept_counters) >= _KEPT_COUNTERS_MAX:
-                _kept_counters.clear()  # a dropped counter's block returns to its own stream's pool
-            counter = _kept_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+            # A counter dropped with the cache returns to its own stream's pool, after its launches.
+            counter = _remember(_kept_counters, key, torch.zeros(1, dtype=torch.int32, device=device),
+                                _KEPT_COUNTERS_MAX)
         return counter, 1
     return torch.empty(1, dtype=torch.int32, device=device), 0
 

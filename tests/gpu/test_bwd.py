@@ -536,6 +536,39 @@ def test_bwd_expanded_upstream_gradient(seed):
         assert torch.equal(x.grad, y.grad)
 
 
+def test_repeated_calls_on_the_same_buffers(seed):
+    """Calls whose metadata repeats reuse their parameter structs (python/flashtile/ops.py plans): calls
+    on the same buffers with new contents (written in place) must read the new contents, and views of
+    one buffer with other shapes or strides (the same base pointer) must not take another view's
+    struct. Forward and backward, both masks, three rounds."""
+    name, d, dv = _any_built(band=True)
+    if not all(find_kernels(op=op, dtype=name, head_dim=d, head_dim_v=dv, band=False, softcap=False)
+               for op in ("fwd", "bwd")):
+        pytest.skip("needs the forward and backward kernels with and without a mask")
+    dtype, b, s, h, hk = DTYPES[name], 2, 600, 4, 2
+    q, k, v = (t.clone() for t in random_qkv(b, s, s, h, hk, d, dv, dtype=dtype, device="cuda", seed=seed))
+    dout = torch.empty(b, s, h, dv, dtype=dtype, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for rnd in range(3):
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype))
+        for causal in (True, False):
+            xs = [t.detach().requires_grad_(True) for t in (q, k, v)]  # the same storage every round
+            out = flash_attn_func(*xs, causal=causal)
+            check_close(f"round {rnd} causal={causal} out", out, attention_ref(q, k, v, causal=causal),
+                        attention_ref(q, k, v, causal=causal, upcast=False))
+            grads = torch.autograd.grad(out, xs, dout)
+            ref = padded_ref(causal=causal)
+            refs = zip(_ref_grads(ref, (q, k, v), dout, None, True), _ref_grads(ref, (q, k, v), dout, None, False))
+            for n, g, (r, low) in zip("qkv", grads, refs):
+                check_close(f"round {rnd} causal={causal} d{n}", g, r, low)
+        # The same storage seen with fewer rows and with every other head: other shapes and strides.
+        for view_name, view in (("rows", (q[:, : s // 2], k[:, : s // 3], v[:, : s // 3])),
+                                ("heads", (q[:, :, ::2], k[:, :, :1], v[:, :, :1]))):
+            check_close(f"round {rnd} view {view_name}", flash_attn_func(*view, causal=True),
+                        attention_ref(*view, causal=True), attention_ref(*view, causal=True, upcast=False))
+
+
 # ---- determinism -------------------------------------------------------------------------------------
 
 REPEATS = [50, pytest.param(1000, marks=pytest.mark.skipif(not SLOW, reason="FLASHTILE_SLOW_TESTS=1 runs it"))]
