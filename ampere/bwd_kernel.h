@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   // (d 128 band + softcap 60 -> 64 B of spills).
   auto step_dkv_sources = [&] {
     if constexpr (kXorSources) {
-      int const t = thread_idx_reread();
+      int const t = thread_idx_reread_in<0, kMaxBlockThreads>();
       auto const ta = copy_dkv_a.get_thread_slice(t);
       auto const tb = copy_dkv_b.get_thread_slice(t);
       return cute::make_tuple(make_ldsm_xor_source(ta, typename Traits::SmemLayoutPdSt{}, sP.data().get()),
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 #endif
   auto step_score_coords = [&] {
     if constexpr (kStepCoords) {
-      int const t = thread_idx_reread();
+      int const t = thread_idx_reread_in<0, kMaxBlockThreads>();
       return mma_sdp.get_thread_slice(Traits::kSdpSplit ? t % kSdpThreads : t)
           .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     } else {

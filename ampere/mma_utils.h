@@ -305,12 +305,13 @@ CUTE_DEVICE void apply_mask(TensorAcc& acc, TensorC const& tC, BandMask const& m
 
 // acc (the fp32 16x8-atom accumulator fragment of tiled_mma over a kRows x kD tile) added to the tile at
 // g in DqAccumPerm<kD>'s order (red_add_dq_perm). The thread's coordinates come from a re-read thread
-// index: derived once they were loop-invariant addresses, hoisted out of the walk and spilled.
+// index: derived once they were loop-invariant addresses, hoisted out of the walk and spilled. Read as
+// non-negative (thread_idx_reread_in), its derivation takes shifts, not signed division: 17 fewer
+// instructions per d 64 step, and the sm_90 d 128 kernel without a mask no longer spills (12 B before).
 template <int kRows, int kD, class TensorAcc, class TiledMma>
 CUTE_DEVICE void red_add_fragment_perm(TensorAcc const& acc, TiledMma const& tiled_mma, float* g) {
-  red_add_dq_perm<kD>(acc,
-                      tiled_mma.get_thread_slice(thread_idx_reread()).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{})),
-                      g, 0);
+  auto const thr_mma = tiled_mma.get_thread_slice(thread_idx_reread_in<0, kMaxBlockThreads>());
+  red_add_dq_perm<kD>(acc, thr_mma.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kD>>{})), g, 0);
 }
 
 // Per-column-group predicate of a tiled copy: tC is its (CPY, CPY_M, CPY_K) partition of an identity
