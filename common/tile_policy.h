@@ -373,6 +373,12 @@ struct HopperBwdTile {
   // leaves the chain S^T -> exp -> dS -> dQ and runs under the next step's exponentials; dV and dK are
   // issued as soon as P^T and dS^T are ready. The last step's dQ follows the walk.
   bool dq_lag;
+  // dq_lag only: the two consumer warpgroups take turns issuing their GEMMs (previous dQ + S^T, dP^T,
+  // dV + dK) instead of meeting once per step, so one warpgroup's exponentials and dS run under the
+  // other's GEMMs (hopper/bwd_kernel.h). d = 64 on an H200: +3-6% sustained, 1.07-1.16x of cuDNN
+  // against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5% below its dq_overlap order
+  // (benchmarks/NOTES.md, session 42).
+  bool pingpong = false;
 };
 
 // Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
@@ -392,19 +398,25 @@ struct HopperBwdTile {
 #ifndef FLASHTILE_BWD_DQ_LAG
 #define FLASHTILE_BWD_DQ_LAG -1
 #endif
+// FLASHTILE_BWD_PINGPONG: HopperBwdTile::pingpong (0 off, 1 on; dq_lag tiles only).
+#ifndef FLASHTILE_BWD_PINGPONG
+#define FLASHTILE_BWD_PINGPONG -1
+#endif
 
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap. It takes
 // dq_lag instead: +1-2% causal, +-1% non-causal on an H100 at 1k-16k (four rounds); at d = 128 dq_lag
 // measured 3-7% slower than dq_overlap (benchmarks/NOTES.md, session 22).
 constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   int const d = head_dim > head_dim_v ? head_dim : head_dim_v;
-  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false, false, true}
+  HopperBwdTile t = d <= 64    ? HopperBwdTile{128, 128, 2, 2, 24, 240, false, false, true, true}
                     : d <= 128 ? HopperBwdTile{64, 128, 2, 2, 24, 240, true, false, false}
                     : d <= 192 ? HopperBwdTile{64, 64, 2, 2, 24, 240, false, false, false}
                                : HopperBwdTile{64, 64, 1, 1, 24, 240, false, false, false};
   if (t.block_n == 128 && FLASHTILE_BWD_ORDER >= 0) { t.dq_overlap = FLASHTILE_BWD_ORDER == 1; }
   if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
   if (t.block_n == 128 && FLASHTILE_BWD_DQ_LAG >= 0) { t.dq_lag = FLASHTILE_BWD_DQ_LAG == 1; }
+  if (FLASHTILE_BWD_PINGPONG >= 0) { t.pingpong = FLASHTILE_BWD_PINGPONG == 1; }
+  t.pingpong = t.pingpong && t.dq_lag;
   if (FLASHTILE_BWD_QDO_STAGES > 0) { t.q_stages = t.do_stages = FLASHTILE_BWD_QDO_STAGES; }
   // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
   if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }

@@ -32,6 +32,9 @@
 //   lag:     [the previous step's dQ issued;] S^T; [that dQ done, staged while S^T runs;] dP^T; P^T;
 //            dV issued; dS^T; dK issued; dS stored; kPdSFull; all done. The last step's dQ follows the
 //            walk; the dQ writer sees the same sequence of hand-offs.
+//   lag + ping-pong (HopperBwdTile::pingpong): turn 1 [the previous step's dQ,] S^T; [that dQ done,
+//            staged;] turn 2 dP^T; P^T; dS^T; dS stored; turn 3 dV, dK; all done. No kPdSFull: the
+//            turns order the warpgroups (BwdTurns below).
 // Otherwise: S, dP; P, dS; kPdSEmpty; P, dS stored; kPdSFull; dQ, dV, dK issued; dQ done, staged
 //   while dV and dK run; dV done (dO released); [d = 256: second dQ pass issued]; dK done (Q
 //   released); [second pass done, staged].
@@ -62,6 +65,27 @@
 namespace flashtile::hopper {
 
 using namespace cute;
+
+// Ping-pong (HopperBwdTile::pingpong, dq_lag order): the two consumer warpgroups take turns issuing
+// their GEMMs (a ring of two named barriers) instead of meeting at kPdSFull every step, so one
+// warpgroup's exponentials and dS run under the other's GEMMs. Each step: turn 1 the previous dQ and
+// S^T, turn 2 dP^T, turn 3 dV and dK (dS and the next LSE / D stored before it); after the walk one
+// turn for the last dQ. The turn order carries the dS hand-off (a warpgroup's dQ of step j is issued
+// in its turn 1 of step j + 1, after the other's turn 3 of step j, which follows that one's dS
+// stores), the dS buffers' reuse (step j + 2's stores follow the other's dQ of step j, which it waited
+// for before its turn 2 of step j + 1) and the LSE / D hand-off (warpgroup 1 stores step j + 1's
+// before its turn 3 of step j; warpgroup 2 reads step j's before its own turn 3 of step j).
+struct BwdTurns {
+  int wg;  // 0-based consumer warpgroup
+  static constexpr int id(int w) { return int(w == 0 ? BwdNamedBarrier::kTurn1 : BwdNamedBarrier::kTurn2); }
+  CUTE_DEVICE void start() const {
+    if (wg == 1) { cutlass::arch::NamedBarrier::arrive(256, id(0)); }
+  }
+  CUTE_DEVICE void wait() const { cutlass::arch::NamedBarrier::sync(256, id(wg)); }
+  CUTE_DEVICE void pass(bool last) const {
+    if (!(last && wg == 1)) { cutlass::arch::NamedBarrier::arrive(256, id(1 - wg)); }
+  }
+};
 
 template <class Traits>
 struct BwdKernelParams {
@@ -308,6 +332,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Steps of the dq_overlap order without softcap issue the next step's LSE / D load behind their S^T
   // and dP^T GEMMs where they carry no mask code (see step_body below).
   constexpr bool kStatAfterGemmsOrder = kSwap && !kHasSoftcap && Traits::kdQPerWg && !Traits::kdQLag;
+  constexpr bool kPingPong = Traits::kTile.pingpong && kSwap && Traits::kdQLag && !Traits::kdQRed &&
+                             Traits::kNMmaWarpGroups == 2;
+  BwdTurns const turns{warp_group_idx - 1};
   int const thread_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadK mma_dk;
@@ -444,6 +471,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
     }
     ss.barrier_kv.wait(0);
+    if constexpr (kPingPong) { turns.start(); }
   }
 
   typename PipelineQ::PipelineState read_q;
@@ -493,17 +521,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
         // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
         // accumulators and dP^T's from being live together).
+        if constexpr (kPingPong) { turns.wait(); }
         if (kLag && step > 0) {
           Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});
           dq_gemm((step + 1) % 2, 0, acc_dq_prev);
           s_gemm();
+          if constexpr (kPingPong) { turns.pass(false); }
           warpgroup_wait<1>();  // the previous dQ done; S^T running
           put_dq(acc_dq_prev, prev, step == 1);
         } else {
           s_gemm();
+          if constexpr (kPingPong) { turns.pass(false); }
         }
         pipeline_do.consumer_wait(read_do);
+        if constexpr (kPingPong) { turns.wait(); }
         wg_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), acc_dp);
+        if constexpr (kPingPong) { turns.pass(false); }
         if constexpr (kStatAfterGemms) { next_stat = next_stat_of(); }
         if constexpr (kHasSoftcap) {
           warpgroup_wait<0>();
@@ -535,9 +568,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         auto dv_gemm = [&] {
           wg_gemm<false, -1>(mma_dv, make_tensor(rP.data(), acc_to_a_layout(rP.layout())), tdVrdOt(_, _, _, stage_do), acc_dv);
         };
-        if constexpr (!kOverlap) { dv_gemm(); }
+        constexpr bool kEarlyDKV = !kOverlap && !kPingPong;  // dV / dK issued as soon as P^T / dS^T exist
+        if constexpr (kEarlyDKV) { dv_gemm(); }
         if constexpr (!kHasSoftcap) {
-          warpgroup_wait<kOverlap ? 0 : 1>();  // dP^T done (dV still running if issued)
+          warpgroup_wait<kEarlyDKV ? 1 : 0>();  // dP^T done (dV still running if issued)
           warpgroup_fence_operand(acc_dp);
           CUTE_UNROLL
           for (int i = 0; i < size(acc_dp); ++i) { acc_dp(i) = acc_s(i) * (acc_dp(i) - stat_d[get<1>(tScS(i))]); }
@@ -546,7 +580,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         auto dk_gemm = [&] {
           wg_gemm<false, -1>(mma_dk, make_tensor(rdS.data(), acc_to_a_layout(rdS.layout())), tdKrQt(_, _, _, stage_q), acc_dk);
         };
-        if constexpr (!kOverlap) { dk_gemm(); }
+        if constexpr (kEarlyDKV) { dk_gemm(); }
         // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
         // row perm^-1(q) (Traits::dQRowPerm). Its buffer was last read by step s - 2's dQ GEMMs, which
         // both warpgroups completed before step s - 1's kPdSFull.
@@ -559,7 +593,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
         if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+        if constexpr (kPingPong) {
+          turns.wait();
+          dv_gemm();
+          dk_gemm();
+          turns.pass(false);
+        } else {
+          cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
+        }
         // rP and rdS are read by the dV/dK GEMMs: they stay live (fenced) until those complete.
         // kLag: no dQ in this step (the next one issues it).
         Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
@@ -696,7 +737,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   if (Traits::kdQLag && num_steps > 0) {  // the last step's dQ
     Tensor acc_dq = partition_fragment_C(mma_dq, TileShapedQ{});
+    if constexpr (kPingPong) { turns.wait(); }
     dq_gemm((num_steps + 1) % 2, 0, acc_dq);
+    if constexpr (kPingPong) { turns.pass(true); }
     warpgroup_wait<0>();
     put_dq(acc_dq, prev, num_steps == 1);
   }
