@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
         };
         // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
-        // kPdSFull), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
+        // kPdSFull, or under kPingPong since the other warpgroup's turn 3 of it), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
         // accumulators and dP^T's from being live together).
         if constexpr (kPingPong) { turns.wait(); }
         if (kLag && step > 0) {
@@ -583,7 +583,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (kEarlyDKV) { dk_gemm(); }
         // dS for dQ: both warpgroups' keys are needed, so it goes through shared memory, query q at
         // row perm^-1(q) (Traits::dQRowPerm). Its buffer was last read by step s - 2's dQ GEMMs, which
-        // both warpgroups completed before step s - 1's kPdSFull.
+        // both warpgroups completed before step s - 1's kPdSFull (under kPingPong: before their turn 2
+        // of step s - 1, which precedes this warpgroup's turn 1 of step s).
         int const ds_stage = step % 2;
         auto smem_copy_ds = make_tiled_copy_C(typename Traits::SmemCopyAtomdSt{}, mma_sdp);
         auto smem_thr_ds = smem_copy_ds.get_thread_slice(t_step);
