@@ -16,10 +16,10 @@ CUTE_DEVICE int thread_idx_reread() {
 // The most threads a block can have: with kFirst = 0, thread_idx_reread_in's count for the whole block.
 constexpr int kMaxBlockThreads = 1024;
 
-// thread_idx_reread() as an index among the kCount threads from thread kFirst on (kCount a power of two): masked
-// to [0, kCount), so that the compiler knows it is non-negative and derives fragment coordinates from
-// it with shifts and masks instead of signed division (whose rounding fix-ups cost ~3 instructions per
-// divide, repeated wherever the derivation is).
+// thread_idx_reread() as an index among the kCount threads from thread kFirst on (kCount a power of
+// two): masked to [0, kCount), so that the compiler knows it is non-negative and derives fragment
+// coordinates from it with shifts and masks instead of signed division (whose rounding fix-ups cost ~3
+// instructions per divide, repeated wherever the derivation is).
 template <int kFirst, int kCount>
 CUTE_DEVICE int thread_idx_reread_in() {
   static_assert(kCount > 0 && (kCount & (kCount - 1)) == 0, "kCount must be a power of two");

@@ -373,7 +373,7 @@ struct HopperBwdTile {
   // leaves the chain S^T -> exp -> dS -> dQ and runs under the next step's exponentials; dV and dK are
   // issued as soon as P^T and dS^T are ready. The last step's dQ follows the walk.
   bool dq_lag;
-  // dq_lag only: the two consumer warpgroups take turns issuing their GEMMs (previous dQ + S^T, dP^T,
+  // With dq_lag (BwdTraits::kPingPong): the two consumer warpgroups take turns issuing their GEMMs (previous dQ + S^T, dP^T,
   // dV + dK) instead of meeting once per step, so one warpgroup's exponentials and dS run under the
   // other's GEMMs (hopper/bwd_kernel.h). d = 64 on an H200: +3-6% sustained, 1.07-1.16x of cuDNN
   // against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5% below its dq_overlap order
@@ -416,7 +416,6 @@ constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
   if (t.block_n == 128 && FLASHTILE_BWD_DQ_LAG >= 0) { t.dq_lag = FLASHTILE_BWD_DQ_LAG == 1; }
   if (FLASHTILE_BWD_PINGPONG >= 0) { t.pingpong = FLASHTILE_BWD_PINGPONG == 1; }
-  t.pingpong = t.pingpong && t.dq_lag;
   if (FLASHTILE_BWD_QDO_STAGES > 0) { t.q_stages = t.do_stages = FLASHTILE_BWD_QDO_STAGES; }
   // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
   if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }

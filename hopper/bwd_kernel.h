@@ -34,7 +34,7 @@
 //            walk; the dQ writer sees the same sequence of hand-offs.
 //   lag + ping-pong (HopperBwdTile::pingpong): turn 1 [the previous step's dQ,] S^T; [that dQ done,
 //            staged;] turn 2 dP^T; P^T; dS^T; dS stored; turn 3 dV, dK; all done. No kPdSFull: the
-//            turns order the warpgroups (BwdTurns below).
+//            turns order the warpgroups (see kPingPong's comment below).
 // Otherwise: S, dP; P, dS; kPdSEmpty; P, dS stored; kPdSFull; dQ, dV, dK issued; dQ done, staged
 //   while dV and dK run; dV done (dO released); [d = 256: second dQ pass issued]; dK done (Q
 //   released); [second pass done, staged].
@@ -66,15 +66,10 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
-// Ping-pong (HopperBwdTile::pingpong, dq_lag order): the two consumer warpgroups take turns issuing
-// their GEMMs (a ring of two named barriers) instead of meeting at kPdSFull every step, so one
-// warpgroup's exponentials and dS run under the other's GEMMs. Each step: turn 1 the previous dQ and
-// S^T, turn 2 dP^T, turn 3 dV and dK (dS and the next LSE / D stored before it); after the walk one
-// turn for the last dQ. The turn order carries the dS hand-off (a warpgroup's dQ of step j is issued
-// in its turn 1 of step j + 1, after the other's turn 3 of step j, which follows that one's dS
-// stores), the dS buffers' reuse (step j + 2's stores follow the other's dQ of step j, which it waited
-// for before its turn 2 of step j + 1) and the LSE / D hand-off (warpgroup 1 stores step j + 1's
-// before its turn 3 of step j; warpgroup 2 reads step j's before its own turn 3 of step j).
+// The ring of GEMM turns of the backward's two consumer warpgroups (BwdTraits::kPingPong; the
+// forward's PingPong of hopper/fwd_consumer.h is the same ring over its own barrier ids): a warpgroup
+// syncs on its own barrier before its turn and arrives on the other's after it; warpgroup 2 opens the
+// ring and skips its final arrival, so every barrier phase completes.
 struct BwdTurns {
   int wg;  // 0-based consumer warpgroup
   static constexpr int id(int w) { return int(w == 0 ? BwdNamedBarrier::kTurn1 : BwdNamedBarrier::kTurn2); }
@@ -332,8 +327,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Steps of the dq_overlap order without softcap issue the next step's LSE / D load behind their S^T
   // and dP^T GEMMs where they carry no mask code (see step_body below).
   constexpr bool kStatAfterGemmsOrder = kSwap && !kHasSoftcap && Traits::kdQPerWg && !Traits::kdQLag;
-  constexpr bool kPingPong = Traits::kTile.pingpong && kSwap && Traits::kdQLag && !Traits::kdQRed &&
-                             Traits::kNMmaWarpGroups == 2;
+  // Ping-pong (BwdTraits::kPingPong, dq_lag order): the two consumer warpgroups take turns issuing
+  // their GEMMs (BwdTurns) instead of meeting at kPdSFull every step, so one
+  // warpgroup's exponentials and dS run under the other's GEMMs. Each step: turn 1 the previous dQ and
+  // S^T, turn 2 dP^T, turn 3 dV and dK (dS and the next LSE / D stored before it); after the walk one
+  // turn for the last dQ. The turn order carries the dS hand-off (a warpgroup's dQ of step j is issued
+  // in its turn 1 of step j + 1, after the other's turn 3 of step j, which follows that one's dS
+  // stores), the dS buffers' reuse (step j + 2's stores follow the other's dQ of step j, which it waited
+  // for before its turn 2 of step j + 1) and the LSE / D hand-off (warpgroup 1 stores step j + 1's
+  // before its turn 3 of step j; warpgroup 2 reads step j's before its own turn 3 of step j).
+  constexpr bool kPingPong = Traits::kPingPong;
   BwdTurns const turns{warp_group_idx - 1};
   int const thread_idx = int(threadIdx.x) - 128;
   typename Traits::TiledMmaSdP mma_sdp;
@@ -519,8 +522,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           wg_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), acc_s);
         };
         // kLag: the previous step's dQ goes first (its dS has been in shared memory since that step's
-        // kPdSFull, or under kPingPong since the other warpgroup's turn 3 of it), then S^T; dQ is staged once done, before dP^T is issued (which keeps its
-        // accumulators and dP^T's from being live together).
+        // kPdSFull, or under kPingPong since the other warpgroup's turn 3 of it), then S^T; dQ is
+        // staged once done, before dP^T is issued (which keeps its accumulators and dP^T's from being
+        // live together).
         if constexpr (kPingPong) { turns.wait(); }
         if (kLag && step > 0) {
           Tensor acc_dq_prev = partition_fragment_C(mma_dq, TileShapedQ{});

@@ -113,6 +113,8 @@ struct BwdTraits {
   //    one after the other as a (block_m, d) tile;
   //  otherwise one part, the whole tile.
   static constexpr bool kdQLag = kSwapSdP && kTile.dq_lag;
+  // HopperBwdTile::pingpong: the consumer warpgroups' GEMM turns (hopper/bwd_kernel.h); the staged dQ only.
+  static constexpr bool kPingPong = kdQLag && kTile.pingpong && !kdQRed;
   static constexpr bool kdQPerWg = kSwapSdP && (kTile.dq_overlap || kdQLag);
   static constexpr int kdQParts = kdQPerWg ? kNMmaWarpGroups : 1;
   static_assert(kdQRed || kdQPasses == 1 || kQStages + kdOStages == 2,

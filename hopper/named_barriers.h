@@ -40,9 +40,8 @@ enum class BwdNamedBarrier : int {
   kdQEmpty2 = 5,
   kdQFull2 = 6,
   kdQTurn = 7,  // all consumer threads (dq_red, deterministic mode): the query block's dQ turn, taken / done
-  // FLASHTILE_BWD_PINGPONG (dq_lag order, staged dQ, block_n = 128): the consumer warpgroups' GEMM turns
-  // (sync: the warpgroup whose turn it is; arrive: the other one). kPdSEmpty is unused with block_n =
-  // 128 and kdQTurn without dq_red.
+  // BwdTraits::kPingPong (dq_lag order, staged dQ, block_n = 128): the consumer warpgroups' GEMM turns
+  // (BwdTurns). kPdSEmpty is unused with block_n = 128 and kdQTurn without dq_red.
   kTurn1 = 0,
   kTurn2 = 7,
 };
