@@ -49,6 +49,7 @@ struct BwdTraits {
   static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup (loads, dQ writer)
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
+  static_assert(register_budgets_fit(kNThreads, kProducerRegs, kConsumerRegs, kNMmaWarpGroups));
 
   // Warpgroups along the rows of each GEMM (the rest along its columns).
   static constexpr int kWgMSdP = kBlockM / 64 >= 2 ? 2 : 1;

@@ -27,6 +27,12 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
+// setmaxnreg only moves registers within the CTA's launch allocation (65536 / threads per thread, in
+// steps of 8): warpgroup budgets summing to more would leave the consumers' increase waiting forever.
+constexpr bool register_budgets_fit(int threads, int producer_regs, int consumer_regs, int consumer_warpgroups) {
+  return producer_regs + consumer_warpgroups * consumer_regs <= (65536 / threads) / 8 * 8 * (threads / 128);
+}
+
 // GMMA K-major swizzle atom for rows of kCols 16-bit elements.
 template <class T, int kCols>
 using SmemAtomKMajor = std::conditional_t<
@@ -49,6 +55,7 @@ struct FwdTraits {
   static constexpr int kNThreads = kNMmaThreads + 128;  // + the producer warpgroup
   static constexpr int kProducerRegs = kTile.producer_regs;
   static constexpr int kConsumerRegs = kTile.consumer_regs;
+  static_assert(register_budgets_fit(kNThreads, kProducerRegs, kConsumerRegs, kNMmaWarpGroups));
   static constexpr bool kIntraWGOverlap = kTile.intra_wg_overlap;
   static constexpr bool kPingPong = kTile.pingpong && kNMmaWarpGroups >= 2;
   static_assert(kNMmaWarpGroups <= 3, "named barriers exist for three consumer warpgroups");
