@@ -375,9 +375,9 @@ struct HopperBwdTile {
   bool dq_lag;
   // With dq_lag (BwdTraits::kPingPong): the two consumer warpgroups take turns issuing their GEMMs
   // (previous dQ + S^T, dP^T, dV + dK) instead of meeting once per step, so one warpgroup's
-  // exponentials and dS run under the other's GEMMs (hopper/bwd_kernel.h). d = 64 on an H200: +3-6% sustained, 1.07-1.16x of cuDNN
-  // against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5% below its dq_overlap order
-  // (benchmarks/NOTES.md, session 42).
+  // exponentials and dS run under the other's GEMMs (hopper/bwd_kernel.h). d = 64 on an H200: +3-6%
+  // sustained, 1.07-1.16x of cuDNN against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5%
+  // below its dq_overlap order (benchmarks/NOTES.md, session 42).
   bool pingpong = false;
 };
 

@@ -289,8 +289,8 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
 TALL_CASES = {
     "full-odd": dict(sq=4000, sk=3001, h=2, hk=2, causal=False),
     "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
-    # Last query block with its third warpgroup's rows (2048: 128 of 192) or two warpgroups' rows (2000:
-    # 80) past seqlen_q: those warpgroups skip their blocks, and such tiles may be scheduled last.
+    # The last query block with its third warpgroup's rows (2048: 128 of 192) or two warpgroups' rows
+    # (2000: 80 of 192) all past seqlen_q, without a mask: computed, and none of them written.
     "full-tail": dict(sq=2048, sk=2048, h=3, hk=3, causal=False),
     "full-tail2": dict(sq=2000, sk=2100, h=4, hk=2, causal=False),
     "causal": dict(sq=4100, sk=3900, h=2, hk=2, causal=True),
