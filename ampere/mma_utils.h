@@ -169,13 +169,21 @@ CUTE_DEVICE void copy_k_slice(TiledCopy const& tiled_copy, Src const& src, Tenso
   }
 }
 
+// The default hook of the GEMMs below: nothing.
+struct NoHook {
+  CUTE_DEVICE void operator()() const {}
+};
+
 // acc = A * B^T with A and B both read from shared memory (S = Q K^T); each source is the copy's
-// partition of the tile or an LdsmXorSource of it.
-template <class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB, class TiledMma,
-          class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+// partition of the tile or an LdsmXorSource of it. hook() runs once the MMAs of k-slice kHookAt are
+// issued (work whose instructions then issue while those MMAs execute).
+template <int kHookAt = -1, class TensorAcc, class TensorRA, class TensorRB, class TensorSA, class TensorSB,
+          class TiledMma, class CopyA, class CopyB, class ThrCopyA, class ThrCopyB, class Hook = NoHook>
 CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorSA const& tCsA,
                          TensorSB const& tCsB, TiledMma const& tiled_mma, CopyA const& copy_a,
-                         CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b) {
+                         CopyB const& copy_b, ThrCopyA const& thr_copy_a, ThrCopyB const& thr_copy_b,
+                         Hook&& hook = {}) {
+  static_assert(kHookAt < decltype(size<2>(tCrA))::value);
   Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
   copy_k_slice(copy_a, tCsA, tCrA_view, 0);
@@ -187,6 +195,7 @@ CUTE_DEVICE void gemm_ss(TensorAcc& acc, TensorRA& tCrA, TensorRB& tCrB, TensorS
       copy_k_slice(copy_b, tCsB, tCrB_view, k + 1);
     }
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    if (k == kHookAt) { hook(); }
   }
 }
 
@@ -219,10 +228,13 @@ CUTE_DEVICE void gemm_ss_rows(TensorAcc& acc, int m0, TensorRA& tCrA, TensorRB& 
 // acc = A * B with A already in registers (O += P V) and B read from shared memory, in kNChunks
 // column chunks: only one chunk's B slices are live at a time (A being in registers, this costs no
 // extra shared-memory reads), and each accumulator still sums over k in order.
-template <int kNChunks = 1, class TensorAcc, class TensorRA, class TensorRB, class TensorSB, class TiledMma,
-          class CopyB, class ThrCopyB>
+// hook() as in gemm_ss, after k-slice kHookAt of the first chunk.
+template <int kNChunks = 1, int kHookAt = -1, class TensorAcc, class TensorRA, class TensorRB, class TensorSB,
+          class TiledMma, class CopyB, class ThrCopyB, class Hook = NoHook>
 CUTE_DEVICE void gemm_rs(TensorAcc& acc, TensorRA const& tCrA, TensorRB& tCrB, TensorSB const& tCsB,
-                         TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+                         TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b,
+                         Hook&& hook = {}) {
+  static_assert(kHookAt < decltype(size<2>(tCrA))::value);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
   constexpr int kCopiesN = decltype(size<1>(tCrB_view))::value;
   constexpr int kAtomsPerCopy = decltype(size<1>(tCrB))::value / kCopiesN;  // MMA_N per copy along N
@@ -241,6 +253,7 @@ CUTE_DEVICE void gemm_rs(TensorAcc& acc, TensorRA const& tCrA, TensorRB& tCrB, T
         CUTE_UNROLL
         for (int m = 0; m < size<1>(tCrA); ++m) { cute::gemm(tiled_mma, tCrA(_, m, k), tCrB(_, n, k), acc(_, m, n)); }
       }
+      if (c == 0 && k == kHookAt) { hook(); }
     }
   }
 }

@@ -38,6 +38,25 @@ constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false, bool split = 
                            : FwdTile{64, 64, 4};
 }
 
+// Build-time override of ampere_fwd_load_after: -1 policy, n >= 0 the k-slices issued before the loads.
+#ifndef FLASHTILE_AMPERE_FWD_LOAD_AFTER
+#define FLASHTILE_AMPERE_FWD_LOAD_AFTER -1
+#endif
+
+// Ampere-path forward: each KV step loads V[n] after the barrier that precedes S = Q K^T and K[n-1] after
+// the one that precedes O += P V; the loads' address arithmetic (64-bit row addresses from the stashed
+// thread index, ~50 instructions per load) then issues before the GEMM's first MMA. The number of k-slices
+// of each GEMM issued before its load (0: the load first). Measured on an H200 (sustained rounds,
+// benchmarks/NOTES.md session 44): d = 256 split 64 x 64 without a mask, 2 (after the second slice of each
+// GEMM): +1.3% / +1.6% / +2.8% at 1k / 4k / 16k over seven rounds; causal -1-2.3% (kept at 0); V after
+// slice 4 or 8 of S: +1-2%; after the first slice of each: -3%. d = 128 with the K load inside the PV
+// GEMM: +1% but 88-128 B of spills at every slice, the V load alone: level; d = 64: 4-16 B of spills. The
+// wide split tile (sm_80) keeps 0: not measured.
+constexpr int ampere_fwd_load_after(int head_dim, bool band, bool wide, bool split) {
+  if (FLASHTILE_AMPERE_FWD_LOAD_AFTER >= 0) { return FLASHTILE_AMPERE_FWD_LOAD_AFTER; }
+  return head_dim > 192 && split && !wide && !band ? 2 : 0;
+}
+
 // Build-time overrides of the tile choice above hdim 128 (ampere_fwd_tile_kind), to test each tile on
 // any device: FLASHTILE_AMPERE_FWD_WIDE 0 never, 1 wherever it fits; FLASHTILE_AMPERE_FWD_SPLIT 0
 // never, 1 wherever it fits; -1 the policy.

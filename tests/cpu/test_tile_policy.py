@@ -8,7 +8,8 @@ ampere_fwd_tile_kind is asked for each device's limits:
   - sm_86 / sm_89 (99 / 100 KB) fit no split tile twice nor a split wide one: at hdim 256 the unsplit
     64-row tile (96 KB + constants), at hdim 192 the unsplit wide one (one CTA of 8 warps);
   - every tile chosen fits the device's per-block limit, and the tiles' shapes are what the kernels
-    assume (32 rows per warp pair, warps_n 2 only on split tiles).
+    assume (32 rows per warp pair, warps_n 2 only on split tiles);
+  - ampere_fwd_load_after places each step's K / V load within both GEMMs' k-slices.
 """
 
 PROGRAM = r"""
@@ -57,6 +58,22 @@ int main() {
   for (int d : {64, 96, 128}) {
     CHECK(ampere_fwd_tile(d, false, true).warps_n == 1);
   }
+  // The K / V loads placed after n k-slices of each step's GEMMs: a placement past the last slice of
+  // either GEMM (S: d / 16 slices, PV: block_n / 16 in its first column chunk) would never issue them.
+  int placed = 0;
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int w = 0; w < 2; ++w) {
+      for (int sp = 0; sp < 2; ++sp) {
+        for (int band = 0; band < 2; ++band) {
+          FwdTile const t = ampere_fwd_tile(d, w == 1, sp == 1);
+          int const n = ampere_fwd_load_after(d, band == 1, w == 1, sp == 1);
+          CHECK(n >= 0 && n <= d / 16 && n <= t.block_n / 16);
+          placed += n > 0;
+        }
+      }
+    }
+  }
+  CHECK(placed == 1);  // only the d = 256 split 64 x 64 tile without a mask (measured)
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
