@@ -124,14 +124,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   // (LdsmXorSource: one per tile, XOR-folded per k-slice) and the thread index, from which the
   // copies, the mask and the epilogue derive their coordinates (read from here, they are not common
   // subexpressions of values computed before the loop). Word 0: Q | K << 16, word 1: V^T | tid << 16,
-  // with kSplitN word 2: P (byte offsets within a tile are below 64 KB). Each thread reads only its
-  // own words.
+  // with kSplitN word 2: P's ldmatrix base | P's store base (StsXorTarget, where kPStoreXor) << 16 (byte
+  // offsets within a tile are below 64 KB). Each thread reads only its own words.
+
+  // Tile policy: each step's K / V load right after its barrier, or once the first kLoadAfter k-slices of
+  // the GEMM after that barrier are issued (its address arithmetic then issues under their MMAs); the
+  // split tiles' P store through StsXorTarget (kPStoreXor) or the store copy's addressing.
+  constexpr int kHeadDimMax = kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV;
+  constexpr int kLoadAfter = ampere_fwd_load_after(kHeadDimMax, kIsBand, Traits::kWide, Traits::kSplit);
+  constexpr bool kPStoreXor = Traits::kSplitN && ampere_fwd_p_store_xor(kHeadDimMax, kIsBand, Traits::kWide);
   uint32_t* stash = reinterpret_cast<uint32_t*>(smem_ + Traits::kSmemTiles) + tidx;
   stash[0] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutQ{}, sQ_ptr).base |
              make_ldsm_xor_source(smem_thr_k, typename Traits::SmemLayoutK{}, sK_ptr).base << 16;
   stash[kNThreads] = make_ldsm_xor_source(smem_thr_v, typename Traits::SmemLayoutVt{}, sV_ptr).base | uint32_t(tidx) << 16;
   if constexpr (Traits::kSplitN) {
-    stash[2 * kNThreads] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr).base;
+    stash[2 * kNThreads] =
+        make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr).base |
+        (kPStoreXor ? make_sts_xor_target(thr_mma, typename Traits::SmemLayoutP{}, sP_ptr).base << 16 : 0u);
   }
   auto stashed_tidx = [&] { return int(stash[kNThreads] >> 16); };
 
@@ -187,11 +196,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
       copy_tile(tiled_copy, src, dst, coord, col_predicate(coord, cols), rows);
     }
   };
-
-  // Each step's K/V load: right after its barrier, or once the first kLoadAfter k-slices of the GEMM after
-  // that barrier are issued, its address arithmetic then issuing under their MMAs (tile policy).
-  constexpr int kLoadAfter = ampere_fwd_load_after(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kIsBand,
-                                                   Traits::kWide, Traits::kSplit);
 
   // Prologue: Q and the last visible K block.
   int n_block = n_block_max - 1;
@@ -254,8 +258,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     CUTE_UNROLL
     for (int m = 0; m < size<1>(acc_s); ++m) { convert_rows(acc_s, tOrP, m); }
     if constexpr (Traits::kSplitN) {
-      auto thr_store = smem_copy_p_store.get_thread_slice(stashed_tidx());
-      copy(smem_copy_p_store, thr_store.retile_S(tOrP), thr_store.partition_D(sP));
+      if constexpr (kPStoreXor) {
+        sts_xor_target_with_base(thr_mma, typename Traits::SmemLayoutP{}, sP_ptr, stash[2 * kNThreads] >> 16)
+            .store(tOrP);
+      } else {
+        auto thr_store = smem_copy_p_store.get_thread_slice(stashed_tidx());
+        copy(smem_copy_p_store, thr_store.retile_S(tOrP), thr_store.partition_D(sP));
+      }
     }
     int const t_k = stashed_tidx();
     cp_async_wait<0>();
@@ -276,7 +285,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
     softmax.rescale_o_always(out);
     if constexpr (Traits::kSplitN) {
       // All of the rows' P (both warps' keys): one ldmatrix pass, then the same register-A GEMM.
-      auto const src_p = ldsm_xor_source_with_base(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr, stash[2 * kNThreads]);
+      auto const src_p =
+          ldsm_xor_source_with_base(smem_thr_q, typename Traits::SmemLayoutP{}, sP_ptr,
+                                    kPStoreXor ? stash[2 * kNThreads] & 0xffffu : stash[2 * kNThreads]);
       Tensor tOrPs_view = smem_thr_q.retile_D(tOrPs);
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tOrPs); ++k) { copy_k_slice(smem_copy_q, src_p, tOrPs_view, k); }

@@ -110,6 +110,72 @@ CUTE_DEVICE auto ldsm_xor_source_with_base(ThrCopy const& thr_copy, TileLayout c
   return src;
 }
 
+// An accumulator-layout fragment of 16-bit elements stored into a swizzled tile with XOR-folded
+// addresses (as LdsmXorSource reads one): Layout is the thread's partition_C ((2 cols, 2 rows), MMA_M,
+// MMA_N) of the tile's unswizzled layout, each column pair one 32-bit store; one register, Swz(t),
+// addresses the whole tile.
+template <class Swz, class Layout, class Element>
+struct StsXorTarget {
+  static constexpr bool foldable() {
+    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
+    constexpr int kBelowSourceEnd = (1 << (Swz::num_base + Swz::num_shft + Swz::num_bits)) - 1;
+    for (int r = 0; r < 2; ++r) {
+      for (int m = 0; m < int(size<1>(Layout{})); ++m) {
+        for (int n = 0; n < int(size<2>(Layout{})); ++n) {
+          int const off = Layout{}(make_coord(make_coord(0, r), m, n));
+          if ((off & kBelowSourceEnd & ~kTarget) != 0) { return false; }
+          if (Layout{}(make_coord(make_coord(1, r), m, n)) != off + 1) { return false; }
+        }
+      }
+    }
+    return true;
+  }
+  static_assert(sizeof(Element) == 2 && foldable());
+  uint32_t tile;  // shared-memory byte address of the tile
+  uint32_t base;  // Swz(t) in bytes
+
+  template <class TensorR>
+  CUTE_DEVICE void store(TensorR const& tR) const {
+    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
+    constexpr int kBytes = int(sizeof(Element));
+    Tensor tR32 = recast<uint32_t>(tR);
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      CUTE_UNROLL
+      for (int m = 0; m < int(size<1>(Layout{})); ++m) {
+        CUTE_UNROLL
+        for (int n = 0; n < int(size<2>(Layout{})); ++n) {
+          int const off = Layout{}(make_coord(make_coord(0, r), m, n));
+          uint32_t const addr = tile + ((base ^ uint32_t((off & kTarget) * kBytes)) + uint32_t((off & ~kTarget) * kBytes));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(tR32(make_coord(make_coord(0, r), m, n))));
+        }
+      }
+    }
+  }
+};
+
+// The StsXorTarget of a tile for MMA thread slice thr_mma.
+template <class ThrMma, class TileLayout, class Element>
+CUTE_DEVICE auto make_sts_xor_target(ThrMma const& thr_mma, TileLayout const& tile_layout, Element* tile) {
+  using Swz = decltype(get_swizzle_portion(tile_layout));
+  Tensor tP = thr_mma.partition_C(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
+  StsXorTarget<Swz, remove_cvref_t<decltype(tP.layout())>, Element> dst;
+  dst.tile = cast_smem_ptr_to_uint(tile);
+  dst.base = uint32_t(Swz{}(int(raw_pointer_cast(tP.data()) - tile)) * int(sizeof(Element)));
+  return dst;
+}
+
+// The same target with Swz(t) given (base_bytes, as make_sts_xor_target computed it).
+template <class ThrMma, class TileLayout, class Element>
+CUTE_DEVICE auto sts_xor_target_with_base(ThrMma const& thr_mma, TileLayout const& tile_layout, Element* tile,
+                                          uint32_t base_bytes) {
+  using Dst = decltype(make_sts_xor_target(thr_mma, tile_layout, tile));
+  Dst dst;
+  dst.tile = cast_smem_ptr_to_uint(tile);
+  dst.base = base_bytes;
+  return dst;
+}
+
 template <class T>
 struct is_ldsm_xor_source : false_type {};
 template <class Swz, class Layout, class Element>

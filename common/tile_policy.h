@@ -57,6 +57,15 @@ constexpr int ampere_fwd_load_after(int head_dim, bool band, bool wide, bool spl
   return head_dim > 192 && split && !wide && !band ? 2 : 0;
 }
 
+// Ampere-path forward, split tiles: whether each warp stores its half of P through XOR-folded addresses
+// from one base read from the per-thread constants (StsXorTarget) rather than the store copy's addressing,
+// which re-derives ~15 integer instructions per block from the thread index between the softmax and the
+// barrier. H200 (benchmarks/NOTES.md session 44), d = 256 split 64 x 64: +1.3-1.7% without a mask,
+// -0.4-0.7% causal. Taken where measured: that tile without a mask.
+constexpr bool ampere_fwd_p_store_xor(int head_dim, bool band, bool wide) {
+  return head_dim > 192 && !band && !wide;
+}
+
 // Build-time overrides of the tile choice above hdim 128 (ampere_fwd_tile_kind), to test each tile on
 // any device: FLASHTILE_AMPERE_FWD_WIDE 0 never, 1 wherever it fits; FLASHTILE_AMPERE_FWD_SPLIT 0
 // never, 1 wherever it fits; -1 the policy.
