@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(__grid_consta
   // the GEMM after that barrier are issued (its address arithmetic then issues under their MMAs); the
   // split tiles' P store through StsXorTarget (kPStoreXor) or the store copy's addressing.
   constexpr int kHeadDimMax = kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV;
-  constexpr int kLoadAfter = ampere_fwd_load_after(kHeadDimMax, kIsBand, Traits::kWide, Traits::kSplit);
-  constexpr bool kPStoreXor = Traits::kSplitN && ampere_fwd_p_store_xor(kHeadDimMax, kIsBand, Traits::kWide);
+  constexpr int kLoadAfter = ampere_fwd_load_after(Traits::kTile, kHeadDimMax, kIsBand);
+  constexpr bool kPStoreXor = ampere_fwd_p_store_xor(Traits::kTile, kHeadDimMax, kIsBand);
   uint32_t* stash = reinterpret_cast<uint32_t*>(smem_ + Traits::kSmemTiles) + tidx;
   stash[0] = make_ldsm_xor_source(smem_thr_q, typename Traits::SmemLayoutQ{}, sQ_ptr).base |
              make_ldsm_xor_source(smem_thr_k, typename Traits::SmemLayoutK{}, sK_ptr).base << 16;

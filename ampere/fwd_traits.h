@@ -14,14 +14,12 @@ namespace flashtile::ampere {
 using namespace cute;
 
 // kWide, kSplit: the tile above hdim 128 (tile policy, ampere_fwd_tile_kind).
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kWide_ = false, bool kSplit_ = false>
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kWide = false, bool kSplit = false>
 struct FwdTraits {
   using Element = Element_;
-  static constexpr bool kWide = kWide_;
-  static constexpr bool kSplit = kSplit_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
-  static constexpr FwdTile kTile = ampere_fwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kWide_, kSplit_);
+  static constexpr FwdTile kTile = ampere_fwd_tile(kHeadDim > kHeadDimV ? kHeadDim : kHeadDimV, kWide, kSplit);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kNWarps = kTile.num_warps;

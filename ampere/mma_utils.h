@@ -40,13 +40,28 @@ CUTE_DEVICE void named_barrier_arrive(int id) {
 // one register, Swz(t), addresses the whole tile (one XOR per distinct x). The tiled copy's own
 // addressing keeps one register per (m, k) combination the compiler cannot relate, 12-19 at hdim 128,
 // all live through the main loop.
+// The folding for swizzle Swz over Element-sized entries, shared by the XOR-folded loads and stores.
+template <class Swz, class Element>
+struct XorFold {
+  static constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
+  static constexpr int kBelowSourceEnd = (1 << (Swz::num_base + Swz::num_shft + Swz::num_bits)) - 1;
+  static constexpr int kBytes = int(sizeof(Element));
+
+  // Whether a compile-time offset splits into x (target bits) + a (above the source bits).
+  static constexpr bool foldable(int off) { return (off & kBelowSourceEnd & ~kTarget) == 0; }
+  // Swz(t) in bytes, t the thread's element offset within the tile.
+  CUTE_HOST_DEVICE static uint32_t base(int t) { return uint32_t(Swz{}(t) * kBytes); }
+  // The byte address of entry t + off: tile + (Swz(t) ^ x) + a.
+  CUTE_DEVICE static uint32_t address(uint32_t tile, uint32_t base, int off) {
+    return tile + ((base ^ uint32_t((off & kTarget) * kBytes)) + uint32_t((off & ~kTarget) * kBytes));
+  }
+};
+
 template <class Swz, class Layout>
 constexpr bool ldsm_xor_foldable() {
-  constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
-  constexpr int kBelowSourceEnd = (1 << (Swz::num_base + Swz::num_shft + Swz::num_bits)) - 1;
   for (int m = 0; m < int(size<1>(Layout{})); ++m) {
     for (int k = 0; k < int(size<2>(Layout{})); ++k) {
-      if ((int(Layout{}(0, m, k)) & kBelowSourceEnd & ~kTarget) != 0) { return false; }
+      if (!XorFold<Swz, uint16_t>::foldable(int(Layout{}(0, m, k)))) { return false; }
     }
   }
   return true;
@@ -75,15 +90,11 @@ struct LdsmXorSource {
   // the register fragment.
   template <bool kTrans, class TensorD>
   CUTE_DEVICE void load(TensorD& tD, int m0, int m1, int k) const {
-    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
-    constexpr int kBytes = int(sizeof(Element));
     CUTE_UNROLL
     for (int m = m0; m < m1; ++m) {
-      int const off = Layout{}(0, m, k);
       Tensor d = recast<uint32_t>(tD(_, m, k));
       static_assert(decltype(size(d))::value == 4);
-      ldsm_x4<kTrans>(tile + ((base ^ uint32_t((off & kTarget) * kBytes)) + uint32_t((off & ~kTarget) * kBytes)),
-                      d(0), d(1), d(2), d(3));
+      ldsm_x4<kTrans>(XorFold<Swz, Element>::address(tile, base, Layout{}(0, m, k)), d(0), d(1), d(2), d(3));
     }
   }
 };
@@ -95,7 +106,7 @@ CUTE_DEVICE auto make_ldsm_xor_source(ThrCopy const& thr_copy, TileLayout const&
   Tensor tP = thr_copy.partition_S(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
   LdsmXorSource<Swz, remove_cvref_t<decltype(tP.layout())>, Element> src;
   src.tile = cast_smem_ptr_to_uint(tile);
-  src.base = uint32_t(Swz{}(int(raw_pointer_cast(tP.data()) - tile)) * int(sizeof(Element)));
+  src.base = XorFold<Swz, Element>::base(int(raw_pointer_cast(tP.data()) - tile));
   return src;
 }
 
@@ -117,13 +128,11 @@ CUTE_DEVICE auto ldsm_xor_source_with_base(ThrCopy const& thr_copy, TileLayout c
 template <class Swz, class Layout, class Element>
 struct StsXorTarget {
   static constexpr bool foldable() {
-    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
-    constexpr int kBelowSourceEnd = (1 << (Swz::num_base + Swz::num_shft + Swz::num_bits)) - 1;
     for (int r = 0; r < 2; ++r) {
       for (int m = 0; m < int(size<1>(Layout{})); ++m) {
         for (int n = 0; n < int(size<2>(Layout{})); ++n) {
           int const off = Layout{}(make_coord(make_coord(0, r), m, n));
-          if ((off & kBelowSourceEnd & ~kTarget) != 0) { return false; }
+          if (!XorFold<Swz, Element>::foldable(off)) { return false; }
           if (Layout{}(make_coord(make_coord(1, r), m, n)) != off + 1) { return false; }
         }
       }
@@ -136,8 +145,6 @@ struct StsXorTarget {
 
   template <class TensorR>
   CUTE_DEVICE void store(TensorR const& tR) const {
-    constexpr int kTarget = ((1 << Swz::num_bits) - 1) << Swz::num_base;
-    constexpr int kBytes = int(sizeof(Element));
     Tensor tR32 = recast<uint32_t>(tR);
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -145,8 +152,7 @@ struct StsXorTarget {
       for (int m = 0; m < int(size<1>(Layout{})); ++m) {
         CUTE_UNROLL
         for (int n = 0; n < int(size<2>(Layout{})); ++n) {
-          int const off = Layout{}(make_coord(make_coord(0, r), m, n));
-          uint32_t const addr = tile + ((base ^ uint32_t((off & kTarget) * kBytes)) + uint32_t((off & ~kTarget) * kBytes));
+          uint32_t const addr = XorFold<Swz, Element>::address(tile, base, Layout{}(make_coord(make_coord(0, r), m, n)));
           asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(tR32(make_coord(make_coord(0, r), m, n))));
         }
       }
@@ -161,7 +167,7 @@ CUTE_DEVICE auto make_sts_xor_target(ThrMma const& thr_mma, TileLayout const& ti
   Tensor tP = thr_mma.partition_C(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
   StsXorTarget<Swz, remove_cvref_t<decltype(tP.layout())>, Element> dst;
   dst.tile = cast_smem_ptr_to_uint(tile);
-  dst.base = uint32_t(Swz{}(int(raw_pointer_cast(tP.data()) - tile)) * int(sizeof(Element)));
+  dst.base = XorFold<Swz, Element>::base(int(raw_pointer_cast(tP.data()) - tile));
   return dst;
 }
 

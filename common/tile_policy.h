@@ -38,6 +38,9 @@ constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false, bool split = 
                            : FwdTile{64, 64, 4};
 }
 
+// The split 64-row tile (2 x 2 warps; the wide split tile has 128 rows on 4 x 2).
+constexpr bool ampere_fwd_is_split_narrow(FwdTile const& t) { return t.warps_n == 2 && t.block_m == 64; }
+
 // Build-time override of ampere_fwd_load_after: -1 policy, n >= 0 the k-slices issued before the loads.
 #ifndef FLASHTILE_AMPERE_FWD_LOAD_AFTER
 #define FLASHTILE_AMPERE_FWD_LOAD_AFTER -1
@@ -52,9 +55,9 @@ constexpr FwdTile ampere_fwd_tile(int head_dim, bool wide = false, bool split = 
 // slice 4 or 8 of S: +1-2%; after the first slice of each: -3%. d = 128 with the K load inside the PV
 // GEMM: +1% but 88-128 B of spills at every slice, the V load alone: level; d = 64: 4-16 B of spills. The
 // wide split tile (sm_80) keeps 0: not measured.
-constexpr int ampere_fwd_load_after(int head_dim, bool band, bool wide, bool split) {
+constexpr int ampere_fwd_load_after(FwdTile const& t, int head_dim, bool band) {
   if (FLASHTILE_AMPERE_FWD_LOAD_AFTER >= 0) { return FLASHTILE_AMPERE_FWD_LOAD_AFTER; }
-  return head_dim > 192 && split && !wide && !band ? 2 : 0;
+  return head_dim > 192 && ampere_fwd_is_split_narrow(t) && !band ? 2 : 0;
 }
 
 // Ampere-path forward, split tiles: whether each warp stores its half of P through XOR-folded addresses
@@ -62,8 +65,8 @@ constexpr int ampere_fwd_load_after(int head_dim, bool band, bool wide, bool spl
 // which re-derives ~15 integer instructions per block from the thread index between the softmax and the
 // barrier. H200 (benchmarks/NOTES.md session 44), d = 256 split 64 x 64: +1.3-1.7% without a mask,
 // -0.4-0.7% causal. Taken where measured: that tile without a mask.
-constexpr bool ampere_fwd_p_store_xor(int head_dim, bool band, bool wide) {
-  return head_dim > 192 && !band && !wide;
+constexpr bool ampere_fwd_p_store_xor(FwdTile const& t, int head_dim, bool band) {
+  return head_dim > 192 && ampere_fwd_is_split_narrow(t) && !band;
 }
 
 // Build-time overrides of the tile choice above hdim 128 (ampere_fwd_tile_kind), to test each tile on

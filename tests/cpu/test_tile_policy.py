@@ -66,7 +66,7 @@ int main() {
       for (int sp = 0; sp < 2; ++sp) {
         for (int band = 0; band < 2; ++band) {
           FwdTile const t = ampere_fwd_tile(d, w == 1, sp == 1);
-          int const n = ampere_fwd_load_after(d, band == 1, w == 1, sp == 1);
+          int const n = ampere_fwd_load_after(t, d, band == 1);
           CHECK(n >= 0 && n <= d / 16 && n <= t.block_n / 16);
           placed += n > 0;
         }
@@ -74,6 +74,15 @@ int main() {
     }
   }
   CHECK(placed == 1);  // only the d = 256 split 64 x 64 tile without a mask (measured)
+  // The XOR-folded P store only on a split tile (the others have no P in shared memory).
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int w = 0; w < 2; ++w) {
+      for (int sp = 0; sp < 2; ++sp) {
+        FwdTile const t = ampere_fwd_tile(d, w == 1, sp == 1);
+        CHECK(!ampere_fwd_p_store_xor(t, d, false) || t.warps_n == 2);
+      }
+    }
+  }
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
