@@ -3,8 +3,9 @@
 //
 // Per query block: S = Q K^T and dP = dO V^T (ldmatrix + mma.sync), P = exp2(S * scale_log2 - lse_log2)
 // (exact probabilities from the forward's LSE), dS = P * (dP - D) (times the tanh derivative under
-// softcap). P and dS go to shared memory in the input dtype; dV += P^T dO and dK += dS^T Q read them
-// through transposing ldmatrix and accumulate in registers for the whole walk; dQ = dS K is added to
+// softcap). P and dS go to shared memory in the input dtype (P before the dP GEMM, or with dS after it:
+// BwdTile::p_late); dV += P^T dO and dK += dS^T Q read them through transposing ldmatrix and
+// accumulate in registers for the whole walk; dQ = dS K is added to
 // the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
 // query block in deterministic mode), stored in common/dq_accum_perm.h's order so that each warp-wide
 // reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. The dQ GEMM and its
@@ -422,6 +423,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       constexpr bool kDpWhole = false;
 #endif
       constexpr int kDpRowBlocks = kDpWhole ? kMBlocks : 1;
+      // P stored with dS after the dP GEMM, or before it (BwdTile::p_late).
+      constexpr bool kPLate = FLASHTILE_AMPERE_BWD_P_LATE >= 0 ? FLASHTILE_AMPERE_BWD_P_LATE == 1 : Traits::kTile.p_late;
       constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
       CUTE_UNROLL
       for (int m0 = 0; m0 < kMBlocks; m0 += kDpRowBlocks) {
@@ -438,8 +441,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
               probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2);
             }
           }
-          convert_rows(acc_p, rP, m);
-          copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
+          if constexpr (!kPLate) {
+            convert_rows(acc_p, rP, m);
+            copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
+          }
         }
         CUTE_UNROLL
         for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
@@ -458,6 +463,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
               ds *= t == -INFINITY ? 1.f : 1.f - t * t;
             }
             dp(mi, ni) = ds;
+          }
+        }
+        if constexpr (kPLate) {
+          CUTE_UNROLL
+          for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
+            convert_rows(acc_p, rP, m);
+            copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
           }
         }
         CUTE_UNROLL

@@ -141,8 +141,9 @@ struct BwdTile {
                             // with the partitions (H100, d = 64 / 128); above d = 128 the folded
                             // forms spill more
   bool dq_first_unmasked = false;  // without a mask, dQ's GEMM and reductions run between dV and dK
-                                   // (the reductions drain under dK) rather than last; H100: d = 128
-                                   // +1.5-2.4%, with the band mask -4%, d = 64 / 256 within +-1%
+                                   // (the reductions drain under dK) rather than last; H100, P stored
+                                   // early: d = 128 +1.5-2.4%, with the band mask -4%, d = 64 / 256
+                                   // within +-1%; H200 with p_late: d = 64 +1%, d = 128 -4% (below)
   // S on the first half of the warps and dP on the second, each over the whole block_m x block_n tile
   // (warps_m_sdp x (num_warps / 2 / warps_m_sdp)); P (times the tanh derivative under softcap) goes
   // to the dP warps through a block_m x block_n fp32 buffer in shared memory. Each warp's tile is
@@ -154,6 +155,15 @@ struct BwdTile {
   // (1 x num_warps / 2 warps, 64 x 64 warp tiles at d = 256) in one 128-register accumulator per
   // thread: dV runs while the dP warps form dS, and the two GEMMs read a third fewer operand bytes.
   bool dkv_split = false;
+  // Unsplit tiles: P goes to shared memory after the dP GEMM, with dS, rather than between the
+  // exponentials and that GEMM. ptxas cannot tell the P stores from the GEMM's ldmatrix reads, so
+  // stored first they hold the whole dP GEMM until every exponential is done; stored late, the
+  // exponentials and the GEMM interleave in one basic block. P stays in its fp32 fragment until then,
+  // which dS needs anyway: no registers added (0 B of spills, sm_80 / sm_90 code, softcap included).
+  // H200, sustained (benchmarks/NOTES.md session 45), against P stored early: d = 64 +3% without a mask
+  // (+4% with dQ first there), +1-1.5% causal; d = 128 +3.5% without a mask (with dQ last; -0.7% with dQ
+  // first), +2-2.5% causal. The sm_86 tiles and d = 96 / 192 are not measured and keep it off.
+  bool p_late = false;
 };
 
 // Build-time override of BwdTile::dq_first_unmasked: 0 never, 1 always (with or without a mask), -1 policy.
@@ -173,6 +183,10 @@ struct BwdTile {
 // them on some (d <= 128: tests the sm_80 code's sources on sm_90), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_XOR
 #define FLASHTILE_AMPERE_BWD_XOR -1
+#endif
+// Build-time override of BwdTile::p_late: 0 never, 1 on every unsplit tile, -1 policy.
+#ifndef FLASHTILE_AMPERE_BWD_P_LATE
+#define FLASHTILE_AMPERE_BWD_P_LATE -1
 #endif
 
 // Double-buffered Q/dO where the total stays within sm_80's 163 KB; d = 256 (split, below) is
@@ -204,9 +218,9 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 // equal_dv: d = d_v (dkv_split needs K's and V's tiles alike).
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false, bool equal_dv = true) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
-  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900}
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900, true, false, false, true}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
-         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, true}
+         : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, false, false, false, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}
          : FLASHTILE_AMPERE_BWD_SDP_SPLIT == 0 ? BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0}
          : FLASHTILE_AMPERE_BWD_DKV_SPLIT != 0 && equal_dv ? BwdTile{64, 64, 8, 2, 1, 2, 1, 0, 0, false, true, true}

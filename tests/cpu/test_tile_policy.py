@@ -9,7 +9,8 @@ ampere_fwd_tile_kind is asked for each device's limits:
     64-row tile (96 KB + constants), at hdim 192 the unsplit wide one (one CTA of 8 warps);
   - every tile chosen fits the device's per-block limit, and the tiles' shapes are what the kernels
     assume (32 rows per warp pair, warps_n 2 only on split tiles);
-  - ampere_fwd_load_after places each step's K / V load within both GEMMs' k-slices.
+  - ampere_fwd_load_after places each step's K / V load within both GEMMs' k-slices;
+  - the backward stores P after its dP GEMM only on unsplit tiles, where measured.
 """
 
 PROGRAM = r"""
@@ -83,6 +84,17 @@ int main() {
       }
     }
   }
+  // The backward's late P store only on unsplit tiles (the split ones pass P between warp halves
+  // before dP exists), and where measured: the default d 64 and d 128 tiles.
+  int late = 0;
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int small = 0; small < 2; ++small) {
+      BwdTile const t = ampere_bwd_tile(d, false, small == 1);
+      CHECK(!t.p_late || !t.sdp_split);
+      late += t.p_late;
+    }
+  }
+  CHECK(late == 2);
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
