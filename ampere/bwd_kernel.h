@@ -22,7 +22,8 @@
 // land; one cp.async group per step.
 // Synchronization: after each wait for Q/dO (which is also where every thread is done with the
 // previous step); after P/dS are written (dkv_split: each half after its own, on named barriers 2 and
-// 3); single-buffered, also after the dK/dV GEMMs, before the next Q/dO load overwrites their operands.
+// 3); single-buffered, also after the dK/dV GEMMs, before the next Q/dO load overwrites their operands
+// (issued ahead of the dQ GEMM, or inside it: BwdTile::qdo_in_dq_arch).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -68,6 +69,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr bool kDqFirst = !Traits::kDkvSplit && (FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0
                                                         ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
                                                         : Traits::kTile.dq_first_unmasked && !kIsBand);
+  // Single-stage tiles: the next step's Q/dO load inside the dQ GEMM (BwdTile::qdo_in_dq_arch).
+#if defined(__CUDA_ARCH__)
+  constexpr bool kQdoInDq = Traits::kQStages == 1 && !kDqFirst && Traits::kBlockN / 16 > 1 &&
+                            (FLASHTILE_AMPERE_BWD_QDO_IN_DQ >= 0 ? FLASHTILE_AMPERE_BWD_QDO_IN_DQ == 1
+                                                                 : __CUDA_ARCH__ >= Traits::kTile.qdo_in_dq_arch);
+#else
+  constexpr bool kQdoInDq = false;
+#endif
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
@@ -484,10 +493,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     if constexpr (!Traits::kDkvSplit) { __syncthreads(); }
 
     // dQ = dS K, added to the fp32 accumulator.
-    auto dq_step = [&] {
+    auto dq_step = [&](auto hook_at, auto&& hook) {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
-      gemm_ss(acc_dq, tdQrdS, tdQrKt, src_ds, src_kt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+      gemm_ss<decltype(hook_at)::value>(acc_dq, tdQrdS, tdQrKt, src_ds, src_kt, mma_dq, copy_dq_a, copy_dq_b, thr_dq_a,
+                                        thr_dq_b, hook);
       int* semaphore = nullptr;
       if (b.deterministic) {
         int n_block_lo, n_block_hi;
@@ -514,15 +524,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
       auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
       gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      if constexpr (kDqFirst) { dq_step(); }
+      if constexpr (kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }
       gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
       if constexpr (kQStages == 1) { __syncthreads(); }  // every thread is done with this step's Q and dO
     }
-    if constexpr (kQStages == 1) {
+    auto load_next = [&] {
       if (step + 1 < num_steps) { load_q_do(next(), 0); }
       cp_async_fence();
+    };
+    if constexpr (kQdoInDq) {
+      dq_step(Int<1>{}, load_next);  // after the dQ GEMM's second k-slice
+    } else {
+      if constexpr (kQStages == 1) { load_next(); }
+      if constexpr (!kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }
     }
-    if constexpr (!kDqFirst) { dq_step(); }
     st.advance(m_block_min, m_block_max);
   }
 

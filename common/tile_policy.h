@@ -122,6 +122,9 @@ constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_pe
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
 // 16-bit, + D (fp32) per stage, + the fp32 P buffer of sdp_split: d = 64: 161 KB, d = 96: 128 KB,
 // d = 128: 161 KB, d = 192: 161 KB, d = 256: 161 KB (one stage, split).
+// An arch threshold no __CUDA_ARCH__ reaches (a policy taken on no arch).
+inline constexpr int kArchNever = 1 << 30;
+
 struct BwdTile {
   int block_m;
   int block_n;
@@ -164,6 +167,15 @@ struct BwdTile {
   // (+4% with dQ first there), +1-1.5% causal; d = 128 +3.5% without a mask (with dQ last; -0.7% with dQ
   // first), +2-2.5% causal. The sm_86 tiles and d = 96 / 192 are not measured and keep it off.
   bool p_late = false;
+  // Single-stage (q_stages 1) tiles: from this __CUDA_ARCH__ on, the next step's Q/dO load is issued
+  // inside the dQ GEMM, after its second k-slice, rather than ahead of it. Ahead, ptxas keeps the
+  // GEMM's ldmatrix reads behind the load's cp.async writes (it cannot tell them apart) and its ~50
+  // instructions of address arithmetic; inside, they issue under the first slices' MMAs. H200, d = 256
+  // split tile (benchmarks/NOTES.md session 45): +2% without a mask, +3-3.5% causal at 4k-16k; after
+  // the third or fourth slice less (+1-1.5%, +0-0.5%). Its sm_90 code spills 20-28 B (8 B before); its
+  // sm_80 code would spill 8 B (0 B before, not measured), so the d = 256 tile (dkv_split) takes it
+  // from sm_90 on.
+  int qdo_in_dq_arch = kArchNever;
 };
 
 // Build-time override of BwdTile::dq_first_unmasked: 0 never, 1 always (with or without a mask), -1 policy.
@@ -183,6 +195,11 @@ struct BwdTile {
 // them on some (d <= 128: tests the sm_80 code's sources on sm_90), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_XOR
 #define FLASHTILE_AMPERE_BWD_XOR -1
+#endif
+// Build-time override of BwdTile::qdo_in_dq_arch: 0 never, 1 on every arch for every single-stage
+// tile, -1 policy.
+#ifndef FLASHTILE_AMPERE_BWD_QDO_IN_DQ
+#define FLASHTILE_AMPERE_BWD_QDO_IN_DQ -1
 #endif
 // Build-time override of BwdTile::p_late: 0 never, 1 on every unsplit tile, -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_P_LATE
@@ -223,7 +240,7 @@ constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool sm
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, false, false, false, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}
          : FLASHTILE_AMPERE_BWD_SDP_SPLIT == 0 ? BwdTile{64, 64, 8, 4, 2, 2, large_smem ? 2 : 1, 0, 0}
-         : FLASHTILE_AMPERE_BWD_DKV_SPLIT != 0 && equal_dv ? BwdTile{64, 64, 8, 2, 1, 2, 1, 0, 0, false, true, true}
+         : FLASHTILE_AMPERE_BWD_DKV_SPLIT != 0 && equal_dv ? BwdTile{64, 64, 8, 2, 1, 2, 1, 0, 0, false, true, true, false, 900}
                                                            : BwdTile{64, 64, 8, 2, 2, 2, 1, 0, 0, false, true};
 }
 

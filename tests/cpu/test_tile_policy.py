@@ -10,7 +10,8 @@ ampere_fwd_tile_kind is asked for each device's limits:
   - every tile chosen fits the device's per-block limit, and the tiles' shapes are what the kernels
     assume (32 rows per warp pair, warps_n 2 only on split tiles);
   - ampere_fwd_load_after places each step's K / V load within both GEMMs' k-slices;
-  - the backward stores P after its dP GEMM only on unsplit tiles, where measured.
+  - the backward stores P after its dP GEMM only on unsplit tiles, where measured, and loads Q/dO
+    inside its dQ GEMM only on single-stage tiles and sm_90 code.
 """
 
 PROGRAM = r"""
@@ -95,6 +96,19 @@ int main() {
     }
   }
   CHECK(late == 2);
+  // The Q/dO load inside the dQ GEMM only on single-stage tiles (a second stage loads a whole step
+  // ahead), after a k-slice the GEMM has, and on no sm_8x code (there it spilled).
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int large = 0; large < 2; ++large) {
+      for (int small = 0; small < 2; ++small) {
+        BwdTile const t = ampere_bwd_tile(d, large == 1, small == 1);
+        if (t.qdo_in_dq_arch != kArchNever) {
+          CHECK(t.q_stages == 1 && t.block_n / 16 > 1 && t.qdo_in_dq_arch >= 900);
+        }
+      }
+    }
+  }
+  CHECK(ampere_bwd_tile(256).qdo_in_dq_arch == 900);
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
