@@ -105,6 +105,9 @@ constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_pe
   return FwdTileKind{false, false};
 }
 
+// An arch threshold no __CUDA_ARCH__ reaches (a policy taken on no arch).
+inline constexpr int kArchNever = 1 << 30;
+
 // Ampere-path backward: each CTA owns block_n keys and walks the query blocks of block_m rows. Three
 // warp layouts (rows x cols of warps) tile the three GEMM shapes: S/dP (block_m x block_n), dK/dV
 // (block_n x d) and dQ (block_m x d). The dK/dV accumulators (2 * block_n * d fp32 over the CTA) set
@@ -122,9 +125,6 @@ constexpr FwdTileKind ampere_fwd_tile_kind(int const (&bytes)[2][2], int smem_pe
 // Shared memory: q_stages * Q, dO (block_m x d) + K, V (block_n x d) + P, dS (block_m x block_n),
 // 16-bit, + D (fp32) per stage, + the fp32 P buffer of sdp_split: d = 64: 161 KB, d = 96: 128 KB,
 // d = 128: 161 KB, d = 192: 161 KB, d = 256: 161 KB (one stage, split).
-// An arch threshold no __CUDA_ARCH__ reaches (a policy taken on no arch).
-inline constexpr int kArchNever = 1 << 30;
-
 struct BwdTile {
   int block_m;
   int block_n;
@@ -146,7 +146,7 @@ struct BwdTile {
   bool dq_first_unmasked = false;  // without a mask, dQ's GEMM and reductions run between dV and dK
                                    // (the reductions drain under dK) rather than last; H100, P stored
                                    // early: d = 128 +1.5-2.4%, with the band mask -4%, d = 64 / 256
-                                   // within +-1%; H200 with p_late: d = 64 +1%, d = 128 -4% (below)
+                                   // within +-1%; H200 with p_late: d = 64 +1%, d = 128 -3.5% (below)
   // S on the first half of the warps and dP on the second, each over the whole block_m x block_n tile
   // (warps_m_sdp x (num_warps / 2 / warps_m_sdp)); P (times the tanh derivative under softcap) goes
   // to the dP warps through a block_m x block_n fp32 buffer in shared memory. Each warp's tile is
