@@ -435,6 +435,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       // P stored with dS after the dP GEMM, or before it (BwdTile::p_late).
       constexpr bool kPLate = FLASHTILE_AMPERE_BWD_P_LATE >= 0 ? FLASHTILE_AMPERE_BWD_P_LATE == 1 : Traits::kTile.p_late;
       constexpr int kDpRows = kDpRowBlocks * kRowsPerBlock;
+      auto store_p = [&](int m) {
+        convert_rows(acc_p, rP, m);
+        copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
+      };
       CUTE_UNROLL
       for (int m0 = 0; m0 < kMBlocks; m0 += kDpRowBlocks) {
         CUTE_UNROLL
@@ -450,10 +454,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
               probs(mi, ni) = exp2f(scores(mi, ni) * params.fwd.scale_log2 - lse_log2);
             }
           }
-          if constexpr (!kPLate) {
-            convert_rows(acc_p, rP, m);
-            copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
-          }
+          if constexpr (!kPLate) { store_p(m); }
         }
         CUTE_UNROLL
         for (int m = m0; m < m0 + kDpRowBlocks; ++m) { clear(acc_dp(_, m, _)); }
@@ -476,10 +477,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
         }
         if constexpr (kPLate) {
           CUTE_UNROLL
-          for (int m = m0; m < m0 + kDpRowBlocks; ++m) {
-            convert_rows(acc_p, rP, m);
-            copy(copy_pds, thr_pds.retile_S(rP)(_, m, _), tPsP(_, m, _));
-          }
+          for (int m = m0; m < m0 + kDpRowBlocks; ++m) { store_p(m); }
         }
         CUTE_UNROLL
         for (int m = m0; m < m0 + kDpRowBlocks; ++m) {

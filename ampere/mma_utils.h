@@ -99,26 +99,41 @@ struct LdsmXorSource {
   }
 };
 
-// The LdsmXorSource of a tile (tile_layout: swizzle o layout) for thread slice thr_copy.
-template <class ThrCopy, class TileLayout, class Element>
-CUTE_DEVICE auto make_ldsm_xor_source(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element const* tile) {
+// The XOR-folded view Folded<Swz, Layout, Element> (LdsmXorSource, StsXorTarget) of a tile (tile_layout:
+// swizzle o layout), Layout being the thread's partition (partition(tensor)) of the unswizzled layout.
+template <template <class, class, class> class Folded, class TileLayout, class Element, class Partition>
+CUTE_DEVICE auto make_xor_folded(TileLayout const& tile_layout, Element* tile, Partition const& partition) {
   using Swz = decltype(get_swizzle_portion(tile_layout));
-  Tensor tP = thr_copy.partition_S(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
-  LdsmXorSource<Swz, remove_cvref_t<decltype(tP.layout())>, Element> src;
-  src.tile = cast_smem_ptr_to_uint(tile);
-  src.base = XorFold<Swz, Element>::base(int(raw_pointer_cast(tP.data()) - tile));
-  return src;
+  using E = remove_cv_t<Element>;
+  Tensor tP = partition(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
+  Folded<Swz, remove_cvref_t<decltype(tP.layout())>, E> f;
+  f.tile = cast_smem_ptr_to_uint(tile);
+  f.base = XorFold<Swz, E>::base(int(raw_pointer_cast(tP.data()) - tile));
+  return f;
 }
 
-// The same source with Swz(t) given (base_bytes, as make_ldsm_xor_source computed it).
+// The same view with Swz(t) given (base_bytes, as make_xor_folded computed it).
+template <template <class, class, class> class Folded, class TileLayout, class Element, class Partition>
+CUTE_DEVICE auto xor_folded_with_base(TileLayout const& tile_layout, Element* tile, Partition const& partition,
+                                      uint32_t base_bytes) {
+  decltype(make_xor_folded<Folded>(tile_layout, tile, partition)) f;
+  f.tile = cast_smem_ptr_to_uint(tile);
+  f.base = base_bytes;
+  return f;
+}
+
+// The LdsmXorSource of a tile for thread slice thr_copy.
+template <class ThrCopy, class TileLayout, class Element>
+CUTE_DEVICE auto make_ldsm_xor_source(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element const* tile) {
+  return make_xor_folded<LdsmXorSource>(tile_layout, tile, [&](auto const& t) { return thr_copy.partition_S(t); });
+}
+
+// The same source with Swz(t) given.
 template <class ThrCopy, class TileLayout, class Element>
 CUTE_DEVICE auto ldsm_xor_source_with_base(ThrCopy const& thr_copy, TileLayout const& tile_layout, Element const* tile,
                                            uint32_t base_bytes) {
-  using Src = decltype(make_ldsm_xor_source(thr_copy, tile_layout, tile));
-  Src src;
-  src.tile = cast_smem_ptr_to_uint(tile);
-  src.base = base_bytes;
-  return src;
+  return xor_folded_with_base<LdsmXorSource>(tile_layout, tile, [&](auto const& t) { return thr_copy.partition_S(t); },
+                                             base_bytes);
 }
 
 // An accumulator-layout fragment of 16-bit elements stored into a swizzled tile with XOR-folded
@@ -163,23 +178,15 @@ struct StsXorTarget {
 // The StsXorTarget of a tile for MMA thread slice thr_mma.
 template <class ThrMma, class TileLayout, class Element>
 CUTE_DEVICE auto make_sts_xor_target(ThrMma const& thr_mma, TileLayout const& tile_layout, Element* tile) {
-  using Swz = decltype(get_swizzle_portion(tile_layout));
-  Tensor tP = thr_mma.partition_C(make_tensor(make_smem_ptr(tile), get_nonswizzle_portion(tile_layout)));
-  StsXorTarget<Swz, remove_cvref_t<decltype(tP.layout())>, Element> dst;
-  dst.tile = cast_smem_ptr_to_uint(tile);
-  dst.base = XorFold<Swz, Element>::base(int(raw_pointer_cast(tP.data()) - tile));
-  return dst;
+  return make_xor_folded<StsXorTarget>(tile_layout, tile, [&](auto const& t) { return thr_mma.partition_C(t); });
 }
 
-// The same target with Swz(t) given (base_bytes, as make_sts_xor_target computed it).
+// The same target with Swz(t) given.
 template <class ThrMma, class TileLayout, class Element>
 CUTE_DEVICE auto sts_xor_target_with_base(ThrMma const& thr_mma, TileLayout const& tile_layout, Element* tile,
                                           uint32_t base_bytes) {
-  using Dst = decltype(make_sts_xor_target(thr_mma, tile_layout, tile));
-  Dst dst;
-  dst.tile = cast_smem_ptr_to_uint(tile);
-  dst.base = base_bytes;
-  return dst;
+  return xor_folded_with_base<StsXorTarget>(tile_layout, tile, [&](auto const& t) { return thr_mma.partition_C(t); },
+                                            base_bytes);
 }
 
 template <class T>
