@@ -101,12 +101,21 @@ FT_EXPORT char const* ft_build_config(void) { return flashtile::build_config_jso
 
 FT_EXPORT char const* ft_last_error(void) { return g_last_error.c_str(); }
 
+FT_EXPORT int64_t ft_fwd_split_accum_bytes(int device, int head_dim, int head_dim_v) {
+  DeviceAttrs attrs;
+  if (!device_attrs(device, attrs).ok() || attrs.cc_major != 9) { return 0; }
+  return hopper_fwd_split_accum_bytes(attrs.num_sms, head_dim, head_dim_v);
+}
+
 FT_EXPORT int ft_mha_fwd(FtFwdParams const* params, void* stream) {
   if (params == nullptr) { return fail(kFtInvalidArgument, "params is NULL"); }
   FtFwdParams const& p = *params;
   int major = 0;
   if (int rc = check_common(p, major)) { return rc; }
   if (!p.tile_counter) { return fail(kFtInvalidArgument, "tile_counter is NULL"); }
+  if (p.num_splits != 0 && p.num_splits != 1) {
+    return fail(kFtInvalidArgument, "num_splits must be 0 (heuristic) or 1 (no split)");
+  }
   if (p.batch == 0 || p.seqlen_q == 0) { return kFtOk; }
   FwdParams const fp = make_fwd_params(p);
   FwdKernelEntry const* entry = nullptr;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define FT_ABI_VERSION 7
+#define FT_ABI_VERSION 8
 
 typedef enum FtStatus {
   kFtOk = 0,
@@ -55,10 +55,12 @@ typedef struct FtFwdParams {
   const int32_t* cu_seqlens_k;  // (b + 1) or NULL
   const int32_t* seqused_q;     // (b) or NULL: rows actually used per batch
   const int32_t* seqused_k;     // (b) or NULL
-  // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): one int32 of device memory. With
-  // tile_counter_zeroed = 0 any content (the launch clears it on the stream) and one per call in
-  // flight; with 1 it holds zero when the launch runs and every launch leaves it zero (the kernel's
-  // last draw resets it), so one counter serves all calls ordered on one stream (never two streams).
+  // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): FT_FWD_COUNTERS int32 of device
+  // memory (the tile counter, then the tail split's per-tile counters). With tile_counter_zeroed = 0
+  // any content (the launch clears it on the stream) and one per call in flight; with 1 it holds zeros
+  // when the launch runs and every launch leaves it zero (the kernel's last draw resets the tile
+  // counter, the last split of a tile its counter), so one workspace serves all calls ordered on one
+  // stream (never two streams).
   int32_t* tile_counter;
 
   int32_t batch;
@@ -86,7 +88,20 @@ typedef struct FtFwdParams {
   // 1 = on where the group fits a tile, -1 = off. Other kernels ignore it.
   int32_t pack_gqa;
   int32_t tile_counter_zeroed;  // see tile_counter
+  // Tail split of the Hopper forward (no band mask, fixed-length batches): the tiles of the grid's
+  // last partial wave run split along the keys, and the split of a tile that finishes last combines
+  // the splits' outputs (fp32) by their LSE. split_accum: fp32 scratch of split_accum_bytes, any
+  // content; ft_fwd_split_accum_bytes(device, head_dim, head_dim_v) bytes cover every split a launch chooses,
+  // fewer bytes (or NULL) limit or disable it. num_splits (FA3's): 0 = split the tail where the
+  // launcher expects a gain, 1 = never split; other values are rejected.
+  float* split_accum;
+  int64_t split_accum_bytes;
+  int32_t num_splits;
+  int32_t reserved;
 } FtFwdParams;
+
+// int32 elements of FtFwdParams.tile_counter.
+#define FT_FWD_COUNTERS 1024
 
 // Backward pass arguments. `fwd` describes the forward call exactly as it was made (q, k, v, its output
 // `out`, its `lse`, sequence geometry, mask, dtype, path, device). Gradient tensors use the layouts of
@@ -146,6 +161,9 @@ FT_EXPORT int ft_bwd_params_size(void);
 // JSON describing the kernels compiled into this library (same content as build_config.json).
 FT_EXPORT const char* ft_build_config(void);
 FT_EXPORT const char* ft_last_error(void);
+// Bytes of FtFwdParams.split_accum that cover every tail split of a forward call with head dims
+// (head_dim, head_dim_v) on `device` (0 where no kernel of that device and head dims splits).
+FT_EXPORT int64_t ft_fwd_split_accum_bytes(int device, int head_dim, int head_dim_v);
 // Enqueues the forward pass on `stream` (a cudaStream_t; NULL = legacy default stream).
 FT_EXPORT int ft_mha_fwd(const FtFwdParams* params, void* stream);
 // Enqueues the backward pass (preprocess, main kernel, postprocess) on `stream`.

@@ -3,6 +3,8 @@
 // functions, so the two can never disagree.
 #pragma once
 
+#include <cstdint>
+
 namespace flashtile {
 
 struct FwdTile {
@@ -381,6 +383,45 @@ constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, int seqlen_q) {
   return seqlen_q >= 2048;
 }
 
+// Hopper forward tail split (FtFwdParams::num_splits 0; hopper/fwd_kernel.h). Without a band mask
+// every tile of a fixed-length batch walks the same KV blocks, so a grid of `units` tiles (tile groups
+// under clusters) on `slots` CTAs (clusters) runs units / slots whole waves and a last wave of
+// tail = units % slots tiles that leaves the other CTAs idle. The tail's tiles are split along the
+// keys into `splits` parts of at least one block, one CTA each, all in one round (tail * splits <=
+// slots: two rounds of 3 parts measured -1.7% at d 128 2k, benchmarks/NOTES.md session 46). A tile of
+// n KV blocks costs about n + 1 blocks' time (its head and tail overlap nothing: session 33's probe),
+// a part n / splits + 1; the plan takes as many parts as fit, within max_items (the scratch that holds
+// their outputs), where a part costs at most 3 / 4 of a whole tile. Measured (H200, sustained): d 64
+// non-causal 4k +1.5%, 2k +0.3%, 512-1k level (the 2-CTA clusters' static schedule: the slowest
+// cluster, not the one with the extra tile, ends the call); grids below one wave gain most.
+struct FwdSplitPlan {
+  int num_whole;  // units before the tail, run whole
+  int splits;     // parts per tail unit (1: no split)
+};
+
+// Build-time cap of the parts per tail tile (measurement; 1 disables the split); -1 = policy (16).
+#ifndef FLASHTILE_FWD_MAX_SPLITS
+#define FLASHTILE_FWD_MAX_SPLITS -1
+#endif
+
+constexpr FwdSplitPlan hopper_fwd_split_plan(int units, int slots, int n_blocks, int max_items) {
+  int const max_splits = FLASHTILE_FWD_MAX_SPLITS >= 1 ? FLASHTILE_FWD_MAX_SPLITS : 16;
+  FwdSplitPlan plan{units, 1};
+  if (slots <= 0 || units % slots == 0) { return plan; }
+  int const tail = units % slots;
+  int s = slots / tail;
+  s = s < max_items / tail ? s : max_items / tail;
+  s = s < n_blocks ? s : n_blocks;
+  s = s < max_splits ? s : max_splits;
+  // n / s + 1 <= 3 / 4 (n + 1), in integers.
+  if (s >= 2 && 4 * (n_blocks + s) <= 3 * s * (n_blocks + 1)) { plan = FwdSplitPlan{units - tail, s}; }
+  return plan;
+}
+
+// fp32 per consumer thread in one split's record: its O fragment (64 rows x d_v over 128 threads) and
+// its two rows' LSE, padded to whole float4.
+constexpr int hopper_fwd_split_record_floats(int head_dim_v) { return head_dim_v / 2 + 4; }
+
 // Build-time override of hopper_fwd_k_ahead_band: 0 never, 1 wherever the tile allows; -1 = policy.
 #ifndef FLASHTILE_FWD_K_AHEAD_BAND
 #define FLASHTILE_FWD_K_AHEAD_BAND -1
@@ -493,6 +534,16 @@ constexpr int head_dim_bucket(int d) {
     if (d <= b) { return b; }
   }
   return 0;
+}
+
+// Scratch for the tail split on a device of num_sms SMs: one record per consumer thread of as many CTAs
+// as the grid has (a tail's parts run in one round), for the largest tile of the head dims' buckets; none
+// above d 128, whose one-Q-stage tiles do not split (kTailSplit in hopper/fwd_kernel.h).
+constexpr int64_t hopper_fwd_split_accum_bytes(int num_sms, int head_dim, int head_dim_v) {
+  int const d = head_dim_bucket(head_dim), dv = head_dim_bucket(head_dim_v);
+  if (d == 0 || dv == 0 || d > 128 || dv > 128) { return 0; }
+  int const consumer_threads = hopper_fwd_tile(d, dv, true).block_m * 2;
+  return int64_t(num_sms) * consumer_threads * hopper_fwd_split_record_floats(dv) * int64_t(sizeof(float));
 }
 
 }  // namespace flashtile

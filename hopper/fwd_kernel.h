@@ -33,6 +33,9 @@
 // per consumer warpgroup of every CTA, once its O has left) gates the producer's next V load.
 // The serial schedule (only under FLASHTILE_HOPPER_SCHEDULE) stores O with both warpgroups through
 // registers. The LSE goes out directly.
+// Tail split (kTailSplit, hopper_fwd_split_plan): the grid's last partial wave of tiles runs in parts
+// along the keys; each part's warpgroups leave O and LSE in split_accum and the part that counts last
+// combines them (combine_parts) before the epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -77,6 +80,7 @@ struct FwdKernelParams {
   FwdParams fwd;
   int num_m_blocks;
   int heads_per_section, lead_pairs, lead_group;  // band-mask tile order (TileScheduler)
+  int num_whole, splits;                          // tail split (TileScheduler, hopper_fwd_split_plan)
   // GQA packing: pack > 1 puts the `pack` query heads of a KV head into one tile (row r: query
   // r / pack of head r % pack), a tile spans q_per_tile queries, and the scheduler's heads are KV
   // heads. Q then loads through tma_q_packed; O and the LSE leave through per-row stores.
@@ -94,6 +98,15 @@ struct FwdKernelParams {
   ShapeQKV shape_o;
   TmaO tma_o;
 };
+
+// atom.add with acquire-release semantics at GPU scope; returns the old value.
+CUTE_DEVICE int atomic_add_acq_rel(int* ptr, int value) {
+  int old = 0;
+#if defined(__CUDA_ARCH__)
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+#endif
+  return old;
+}
 
 // Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf).
 struct TileWork {
@@ -155,13 +168,25 @@ CUTE_DEVICE int wg_block_max(FtFwdParams const& p, TileWork const& w, int wg, in
   }
 }
 
-// q_per_tile: queries per tile (block_m, or fewer under GQA packing).
+// The kernels that may split their tail (hopper_fwd_split_plan): the overlapped schedule without a
+// band mask, except where O is staged over V (d 192 / 256): there the parts' combine spilled 28-48 B in
+// the mainloop (its 128 O registers and the combine's loads live at once).
 template <class Traits, bool kIsBand>
-CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile) {
+constexpr bool kTailSplit = !kIsBand && Traits::kIntraWGOverlap && !Traits::kOOverV;
+
+// q_per_tile: queries per tile (block_m, or fewer under GQA packing). A part of a split tile walks
+// its share of the tile's KV blocks (the launcher splits only tiles of at least `splits` blocks).
+template <class Traits, bool kIsBand>
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile, int splits) {
   SeqInfo const seq(params.abi, c.bidb);
   TileWork w{c, seq, 0, 0, c.m_block * q_per_tile < seq.seqlen_q_alloc, false};
   if (w.in_range) {
     kv_block_range<kIsBand>(params.abi, seq, c.m_block, q_per_tile, Traits::kBlockN, w.n_block_min, w.n_block_max);
+    if (kTailSplit<Traits, kIsBand> && c.split_item >= 0) {
+      int const part = c.split_item % splits, n = w.n_block_max - w.n_block_min;
+      w.n_block_max = w.n_block_min + n * (part + 1) / splits;
+      w.n_block_min += n * part / splits;
+    }
     w.active = c.m_block * q_per_tile < seq.seqlen_q && w.n_block_max > w.n_block_min;
   }
   return w;
@@ -215,7 +240,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
-                                     kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter};
+                                                kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
+                                                kp.num_whole, kp.splits};
 
   extern __shared__ __align__(1024) char smem_buf[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
@@ -399,7 +425,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // and the next tile's first ones.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(idx); }
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
       auto publish = [&] {
         idx = __shfl_sync(0xffffffff, next, leader_lane);
         coord = idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone;
@@ -454,7 +480,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.
   auto next_work = [&](TileCoord coord, TileWork& w) {
     for (; coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
+      w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
       if (!w.in_range) { continue; }
       if (w.active) { return true; }
       write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
@@ -499,6 +525,87 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
+  // Tail split (overlap schedule, no band mask): each consumer warpgroup writes its part of a split
+  // tile, O (normalized) and its rows' LSE, to a record of its own in split_accum, one float4 column
+  // per thread (coalesced), and counts the part on the tile's counter for its rows. The part that
+  // counts last reads every part's record back, its own included, so that the sum runs in part order
+  // whichever part finishes last (the same bits on every run), and leaves the combined rows in tOrO
+  // and lse for the epilogue. Returns whether this warpgroup holds them.
+  auto combine_parts = [&](TileCoord const c, auto& tOrO, auto& lse) {
+    constexpr int kNWG = Traits::kNMmaWarpGroups;
+    Tensor out = rowcol(tOrO);
+    constexpr int kCols = decltype(size<1>(out))::value;
+    constexpr int kChunks = kRowsPerThread * kCols / 4;  // float4 of O per thread, then one of LSE
+    static_assert(kCols % 4 == 0 && kRowsPerThread <= 4, "a record row is whole float4");
+    int const splits = kp.splits;
+    int const part = c.split_item % splits;
+    int const slot = c.split_item / splits * kClusterM + sched.cluster_rank();
+    float4* const records = reinterpret_cast<float4*>(p.split_accum) + (int64_t(slot) * splits * kNWG + wg) * 128 * (kChunks + 1);
+    auto record = [&](int i) { return records + int64_t(i) * kNWG * 128 * (kChunks + 1) + wg_thread; };
+    float4* const mine = record(part);
+    CUTE_UNROLL
+    for (int q = 0; q < kChunks; ++q) {
+      int const r = 4 * q / kCols, c0 = 4 * q % kCols;
+      __stcg(mine + q * 128, make_float4(out(r, c0), out(r, c0 + 1), out(r, c0 + 2), out(r, c0 + 3)));
+    }
+    float l[4] = {0.f, 0.f, 0.f, 0.f};
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) { l[r] = lse(r); }
+    __stcg(mine + kChunks * 128, make_float4(l[0], l[1], l[2], l[3]));
+    // One thread counts the part with acquire-release semantics at GPU scope, between two barriers of
+    // the warpgroup: the barrier orders every thread's record stores before the count's release, and
+    // the count's acquire before every thread's loads of the other records (a fence per thread,
+    // MEMBAR.SC.GPU with an L1 invalidation, cost as much as a part's tile work).
+    int const barrier = int(FwdNamedBarrier::kEpilogue1) + wg;
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    bool last = false;
+    if (wg_thread == 0) {
+      int* const counter = p.tile_counter + 1 + slot * kNWG + wg;
+      last = atomic_add_acq_rel(counter, 1) == splits - 1;
+      if (last) { atomicExch(counter, 0); }  // zero again for the next launch
+    }
+    if (!named_barrier_or(128, barrier, last)) { return false; }
+    float lmax[kRowsPerThread], lsum[kRowsPerThread];
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) { lmax[r] = -INFINITY, lsum[r] = 0.f; }
+    auto part_lse = [&](int i, int r) {
+      float4 const v = __ldcg(record(i) + kChunks * 128);
+      return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w;
+    };
+#pragma unroll 1
+    for (int i = 0; i < splits; ++i) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) { lmax[r] = fmaxf(lmax[r], part_lse(i, r)); }
+    }
+#pragma unroll 1
+    for (int i = 0; i < splits; ++i) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        lsum[r] += lmax[r] == -INFINITY ? 0.f : expf(part_lse(i, r) - lmax[r]);
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) { lse(r) = lmax[r] == -INFINITY ? -INFINITY : lmax[r] + logf(lsum[r]); }
+    clear(tOrO);
+#pragma unroll 1
+    for (int i = 0; i < splits; ++i) {
+      float w[kRowsPerThread];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsPerThread; ++r) { w[r] = lse(r) == -INFINITY ? 0.f : expf(part_lse(i, r) - lse(r)); }
+      float4 const* const src = record(i);
+      CUTE_UNROLL
+      for (int q = 0; q < kChunks; ++q) {
+        int const r = 4 * q / kCols, c0 = 4 * q % kCols;
+        float4 const v = __ldcg(src + q * 128);
+        out(r, c0) += w[r] * v.x;
+        out(r, c0 + 1) += w[r] * v.y;
+        out(r, c0 + 2) += w[r] * v.z;
+        out(r, c0 + 3) += w[r] * v.w;
+      }
+    }
+    return true;
+  };
+
   // -------------------------------------------------------------- epilogue
   // Overlap schedule: each warpgroup stores its own rows without meeting the other one. The sequence
   // geometry and the thread's fragment coordinates and staging addresses are recomputed here from the
@@ -513,6 +620,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor out = rowcol(tOrO);
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
+    if constexpr (kTailSplit<Traits, kIsBand>) {
+      if (c.split_item >= 0 && !combine_parts(c, tOrO, lse)) {
+        // Another part stores the tile: release what the store would have.
+        if constexpr (Traits::kOOverV) {
+          cutlass::arch::NamedBarrier::sync(256, fwd_vread_barrier(wg == 0 ? 1 : 0));
+          if (store_leader) { release_o(); }
+        } else {
+          release_q(q_state.index());
+        }
+        return;
+      }
+    }
     Tensor rO = convert_fragment<Element>(tOrO);
     if constexpr (Traits::kOOverV) {
       // The other warpgroup's last PV GEMM, the last reader of V, has completed.
@@ -575,7 +694,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     // `continue` also goes through the hand-off (the loop's increment).
     for (TileCoord coord = sched.tile(sched.first()); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile);
+      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
       if (!w.in_range) { continue; }
       if (!w.active) {
         write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,

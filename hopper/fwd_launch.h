@@ -135,26 +135,47 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   constexpr int kLeadKvHeads = FLASHTILE_FWD_LEAD_KV_HEADS >= 0 ? FLASHTILE_FWD_LEAD_KV_HEADS : (kHeadDim <= 128 ? 4 : 0);
   kp.lead_group = std::max(1, kLeadKvHeads * (kp.pack > 1 ? 1 : params.h_h_k_ratio));
   kp.lead_pairs = kLeadKvHeads > 0 ? num_pairs - kp.heads_per_section : 0;
-  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch,
-                                                kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter};
-  if constexpr (kClusterM == 1) {
-    if (!p.tile_counter_zeroed) {
-      if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream)) {
-        return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
-      }
+  int const units = kp.num_m_blocks / kClusterM * sched_heads * p.batch;
+  // CTAs (clusters) the grid may have: as many clusters as can be resident at once (an SM left over in
+  // a GPC of odd size stays idle).
+  int slots = num_sms;
+  if constexpr (kClusterM > 1) {
+    if (LaunchStatus s = max_active_clusters(reinterpret_cast<void const*>(kernel), p.device, Traits::kNThreads, kSmem,
+                                             kClusterM, slots);
+        !s.ok()) {
+      return s;
     }
+    slots = std::max(1, std::min(slots, num_sms / kClusterM));
+  }
+  // Tail split (hopper_fwd_split_plan, kTailSplit): every tile walks the same blocks only with one
+  // length for all batches; each consumer warpgroup's part needs a record in split_accum and a counter
+  // in tile_counter.
+  FwdSplitPlan plan{units, 1};
+  if constexpr (kTailSplit<Traits, kIsBand>) {
+    constexpr int64_t kItemBytes =
+        int64_t(Traits::kNMmaThreads) * hopper_fwd_split_record_floats(kHeadDimV) * int64_t(sizeof(float));
+    if (p.num_splits == 0 && p.split_accum && !p.cu_seqlens_q && !p.cu_seqlens_k && !p.seqused_q && !p.seqused_k &&
+        num_sms * Traits::kNMmaWarpGroups < FT_FWD_COUNTERS) {
+      int const max_items = int(std::min<int64_t>(p.split_accum_bytes / kItemBytes / kClusterM, 1 << 20));
+      plan = hopper_fwd_split_plan(units, slots, (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, max_items);
+    }
+  }
+  kp.num_whole = plan.num_whole;
+  kp.splits = plan.splits;
+  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch,
+                                                kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
+                                                kp.num_whole, kp.splits};
+  if (!p.tile_counter_zeroed) {
+    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, FT_FWD_COUNTERS * sizeof(int32_t), stream)) {
+      return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
+    }
+  }
+  if constexpr (kClusterM == 1) {
     dim3 const grid(std::min(sched.num_tiles(), num_sms));
     kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(kp);
     return LaunchStatus::cuda(cudaGetLastError(), "hopper fwd_kernel launch");
   } else {
-    // As many clusters as can be resident at once (an SM left over in a GPC of odd size stays idle).
-    int clusters = 0;
-    if (LaunchStatus s = max_active_clusters(reinterpret_cast<void const*>(kernel), p.device, Traits::kNThreads, kSmem,
-                                             kClusterM, clusters);
-        !s.ok()) {
-      return s;
-    }
-    clusters = std::max(1, std::min({sched.num_tiles(), clusters, num_sms / kClusterM}));
+    int const clusters = std::min(sched.num_tiles(), slots);
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t const config =
         cluster_launch_config(clusters * kClusterM, Traits::kNThreads, kSmem, stream, kClusterM, attr);

@@ -2,6 +2,7 @@
 // cutlass::arch::NamedBarrier). Barrier 0 (__syncthreads) is used only before the roles split.
 #pragma once
 
+#include <cute/config.hpp>
 #include <cutlass/arch/barrier.h>
 
 namespace flashtile::hopper {
@@ -27,6 +28,21 @@ static_assert(int(FwdNamedBarrier::kVRead1) + int(cutlass::arch::NamedBarrier::R
 // The kVRead barrier of consumer warpgroup wg (0-based): wg arrives on it, the other one syncs.
 constexpr int fwd_vread_barrier(int wg) {
   return int(wg == 0 ? FwdNamedBarrier::kVRead1 : FwdNamedBarrier::kVRead2);
+}
+
+// bar.red.or on named barrier `id` (offset past CUTLASS's reserved ones, as cutlass::arch::NamedBarrier
+// does) of num_threads threads: each of them gets whether any passed pred.
+CUTE_DEVICE bool named_barrier_or(int num_threads, int id, bool pred) {
+  uint32_t any = 0;
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(uint32_t(pred)), "r"(uint32_t(id) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount),
+        "r"(num_threads)
+      : "memory");
+#endif
+  return any != 0;
 }
 
 // Backward kernel (ids reused: a kernel uses one of the two sets).

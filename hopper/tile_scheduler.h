@@ -9,6 +9,9 @@
 // in a static stride: tiles without a band mask are all equally long, and the CTAs of a cluster must
 // agree on each tile without exchanging it.
 //
+// Tail split (no band mask, hopper_fwd_split_plan): the first num_whole indices are whole tiles; each
+// tile after them becomes `splits` consecutive indices, one per part of its KV blocks
+// (TileCoord::split_item), so the tail's parts go to as many CTAs.
 // Tile order (tile index -> (m_block, head, batch)):
 //   no band mask: the query blocks of one (head, batch) are adjacent, so the CTAs running at one time
 //     share the K/V of a few heads in L2.
@@ -32,6 +35,9 @@ namespace flashtile::hopper {
 
 struct TileCoord {
   int m_block, bidh, bidb;
+  // Tail split: index of this part among the tail's parts (tail unit split_item / splits, part
+  // split_item % splits); -1 for a whole tile.
+  int split_item = -1;
 };
 
 template <bool kIsBand, int kClusterM = 1>
@@ -42,8 +48,11 @@ struct TileScheduler {
   // sections of heads_per_section, each group or section longest-first.
   int heads_per_section, lead_pairs, lead_group;
   int* tile_counter;  // zero at the launch; counts tiles handed out past the first wave, zero again at the end
+  // Tail split (no band mask): units before the tail, and parts per tail unit (1: no split).
+  int num_whole, splits;
 
-  CUTE_HOST_DEVICE int num_tiles() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
+  CUTE_HOST_DEVICE int num_units() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
+  CUTE_HOST_DEVICE int num_tiles() const { return num_whole + (num_units() - num_whole) * splits; }
 
   // This CTA's rank in its cluster (clusters run along x) and its first tile.
   CUTE_DEVICE static int cluster_rank() { return int(blockIdx.x) % kClusterM; }
@@ -51,10 +60,15 @@ struct TileScheduler {
 
   CUTE_DEVICE TileCoord tile(int idx) const {
     if constexpr (!kIsBand) {
+      int split_item = -1;
+      if (idx >= num_whole) {
+        split_item = idx - num_whole;
+        idx = num_whole + split_item / splits;
+      }
       int const groups = num_m_blocks / kClusterM;
       int const m = idx % groups * kClusterM + cluster_rank();
       idx /= groups;
-      return {m, idx % num_heads, idx / num_heads};
+      return {m, idx % num_heads, idx / num_heads, split_item};
     } else {
       int m_rank, hb;
       lead_section_order(idx, num_m_blocks, num_heads * num_batch, lead_pairs, lead_group, heads_per_section, m_rank, hb);
@@ -90,7 +104,7 @@ struct TileHandoff {
     TileCoord slot[2];
   };
 
-  static constexpr TileCoord kDone{-1, 0, 0};
+  static constexpr TileCoord kDone{-1, 0, 0, -1};
 
   SharedStorage& storage;
 

@@ -11,9 +11,10 @@ import json
 import os
 import threading
 
-ABI_VERSION = 7  # must equal FT_ABI_VERSION in common/flash_api.h
+ABI_VERSION = 8  # must equal FT_ABI_VERSION in common/flash_api.h
 BWD_SEMAPHORE_ROWS = 32  # FT_BWD_SEMAPHORE_ROWS: query rows per deterministic-mode dq semaphore
 BWD_ACCUM_ROW_PAD = 128  # FT_BWD_ACCUM_ROW_PAD: row padding of the fp32 dq accumulator
+FWD_COUNTERS = 1024  # FT_FWD_COUNTERS: int32 elements of FtFwdParams.tile_counter (the forward's scheduler workspace)
 
 # FtStatus
 OK, INVALID_ARGUMENT, NOT_BUILT, UNSUPPORTED_DEVICE, CUDA_ERROR = 0, 1, 2, 3, 4
@@ -48,6 +49,8 @@ class FtFwdParams(ctypes.Structure):
         ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32), ("is_causal", ctypes.c_int32),
         ("dtype", ctypes.c_int32), ("path", ctypes.c_int32), ("device", ctypes.c_int32),
         ("pack_gqa", ctypes.c_int32), ("tile_counter_zeroed", ctypes.c_int32),
+        ("split_accum", ctypes.c_void_p), ("split_accum_bytes", ctypes.c_int64),
+        ("num_splits", ctypes.c_int32), ("reserved", ctypes.c_int32),
     ]
 
 
@@ -114,6 +117,8 @@ def _load() -> ctypes.CDLL:
     lib.ft_bwd_params_size.restype = ctypes.c_int
     lib.ft_build_config.restype = ctypes.c_char_p
     lib.ft_last_error.restype = ctypes.c_char_p
+    lib.ft_fwd_split_accum_bytes.restype = ctypes.c_int64
+    lib.ft_fwd_split_accum_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.ft_mha_fwd.restype = ctypes.c_int
     lib.ft_mha_fwd.argtypes = [ctypes.POINTER(FtFwdParams), ctypes.c_void_p]
     lib.ft_mha_bwd.restype = ctypes.c_int

@@ -49,26 +49,35 @@ def _meta(t):
 
 
 def _validated_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, causal, window_size, softcap, path, deterministic, pack_gqa):
+                   softmax_scale, causal, window_size, softcap, path, deterministic, pack_gqa, num_splits):
     try:
         return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
                 v.stride(), v.dtype, v.device, _meta(cu_seqlens_q), _meta(cu_seqlens_k), _meta(seqused_q),
                 _meta(seqused_k), max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), tuple(window_size),
-                float(softcap), path, bool(deterministic), pack_gqa)
+                float(softcap), path, bool(deterministic), pack_gqa, num_splits)
     except (AttributeError, TypeError, ValueError):
         return None  # not tensors / odd arguments: the full checks report them
 
 
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_size, softcap, descales, path, deterministic=False, pack_gqa=None):
-    """Shared validation + dispatch for the padded and packed layouts."""
+             softmax_scale, causal, window_size, softcap, descales, path, deterministic=False, pack_gqa=None,
+             num_splits=0):
+    """Shared validation + dispatch for the padded and packed layouts. num_splits: None or <= 0 (as in
+    FA3, the library's choice: it may split the last partial wave's tiles along the keys) or 1 (never
+    split); larger values are rejected by the callers (_check_unsupported)."""
     key = None
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         V._fail("pack_gqa", f"must be None (heuristic), True or False, got {pack_gqa!r}")
     pack = 0 if pack_gqa is None else (1 if pack_gqa else -1)
+    if num_splits is None or num_splits <= 0:
+        splits = 0
+    elif num_splits == 1:
+        splits = 1
+    else:
+        V._fail("num_splits", f"must be None, 0 (the library's choice) or 1 (never split), got {num_splits!r}")
     if descales == (None, None, None) and _eager(q, k, v):
         key = _validated_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal, window_size, softcap, path, deterministic, pack)
+                             softmax_scale, causal, window_size, softcap, path, deterministic, pack, splits)
         args = _validated.get(key) if key is not None else None
         if args is not None:
             return _fwd_op_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args)
@@ -123,14 +132,14 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         # Reads build_config.json: not traceable; under torch.compile the op itself reports a missing kernel.
         require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
     args = (int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, softcap, path_id,
-            bool(deterministic), pack)
+            bool(deterministic), pack, splits)
     if key is not None:
         _remember(_validated, key, args)
     return _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=0,
                     pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False, *, path="auto"):
     """Attention over q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]).
 
@@ -139,25 +148,28 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     Returns out, or (out, softmax_lse) with lse (batch, nheads, seqlen_q) if return_attn_probs.
     Differentiable (w.r.t. q, k, v, through out and lse); deterministic=True makes the backward pass
     bitwise reproducible (dq accumulated in a fixed order; somewhat slower).
+    num_splits defaults to 0 (FA3: 1), which lets flashtile split the last partial wave's tiles along the
+    keys (equal to the unsplit result up to fp32 rounding, deterministic run to run); 1 never splits.
     """
     _check_unsupported(qv, attention_chunk, num_splits)
     out, lse = _forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, descales=(q_descale, k_descale, v_descale),
-                        path=path, deterministic=deterministic, pack_gqa=pack_gqa)
+                        path=path, deterministic=deterministic, pack_gqa=pack_gqa, num_splits=num_splits)
     return (out, lse) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
-                           num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                           num_splits=0, pack_gqa=None, deterministic=False, sm_margin=0,
                            return_attn_probs=False, *, path="auto"):
     """Packed variable-length batches: q (total_q, nheads, d), k/v (total_k, nheads_k, d[_v]),
     cu_seqlens_* int32 (batch + 1). max_seqlen_q/k must bound every sequence. Zero-length sequences
     are allowed. Returns out (total_q, nheads, d_v), or (out, lse) with lse (nheads, total_q).
     Differentiable like flash_attn_func (deterministic: bitwise reproducible backward pass); gradients
-    of rows outside every sequence are 0.
+    of rows outside every sequence are 0. num_splits defaults to 0 (FA3: 1) as in flash_attn_func (the
+    tail split applies to fixed-length batches only, so packed calls run unsplit either way).
     """
     _check_unsupported(qv, attention_chunk, num_splits)
     if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -166,7 +178,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         descales=(q_descale, k_descale, v_descale), path=path, deterministic=deterministic,
-                        pack_gqa=pack_gqa)
+                        pack_gqa=pack_gqa, num_splits=num_splits)
     return (out, lse) if return_attn_probs else out
 
 
@@ -226,7 +238,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                         seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=None,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         descales=(q_descale, k_descale, v_descale), path=path, deterministic=False,
-                        pack_gqa=pack_gqa)
+                        pack_gqa=pack_gqa, num_splits=num_splits)
     return (out, lse) if return_softmax_lse else out
 
 

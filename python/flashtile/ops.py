@@ -63,8 +63,9 @@ def _check_data_alignment(q, k, v) -> None:
 
 def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                     path, pack_gqa=0) -> None:
-    """The forward call's description (FtFwdParams), shared by the forward and the backward op."""
+                     path, pack_gqa=0, num_splits=0) -> None:
+    """The forward call's description (FtFwdParams), shared by the forward and the backward op (the
+    scheduler workspaces, tile_counter and split_accum, are the forward's and set per call)."""
     _check_data_alignment(q, k, v)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     p.q, p.k, p.v, p.out, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -83,13 +84,15 @@ def _fill_fwd_params(p: _lib.FtFwdParams, q, k, v, out, lse, cu_seqlens_q, cu_se
     p.window_left, p.window_right, p.is_causal = window_left, window_right, int(causal)
     p.dtype, p.path, p.device = _DTYPES[q.dtype], path, q.get_device()  # CUDA ordinal
     p.pack_gqa = pack_gqa
+    p.num_splits = num_splits
 
 
-# Calls by their metadata -> (for the forward) the outputs' shapes and an FtFwdParams holding everything
-# but the data pointers, which are filled per call (filling ~40 ctypes fields costs more than the rest
-# of the host path). out and lse are fresh contiguous tensors whose shapes follow from q and v, and the
-# struct reads cu_seqlens_* / seqused_* only through their pointers and cu_seqlens_q's length (the
-# batch), so the tensors' metadata and the scalar arguments decide the rest of the struct.
+# Calls by their metadata -> (for the forward) the outputs' shapes, an FtFwdParams holding everything
+# but the data and workspace pointers, which are filled per call (filling ~40 ctypes fields costs more
+# than the rest of the host path), and the bytes of split_accum scratch the call gets (0: none; the size
+# comes from the library). out and lse are fresh contiguous tensors whose shapes follow from q and v,
+# and the struct reads cu_seqlens_* / seqused_* only through their pointers and cu_seqlens_q's length
+# (the batch), so the tensors' metadata and the scalar arguments decide the rest of the struct.
 _fwd_plans: dict = {}
 _bwd_plans: dict = {}
 _PLANS_MAX = 1024
@@ -125,27 +128,70 @@ def _launch(entry: str, params: ctypes.Structure, device: torch.device, what: st
 
 # ---- forward -----------------------------------------------------------------------------------------
 
-# The forward scheduler's tile counter (FtFwdParams.tile_counter). Eager calls on the current device
-# share one int32 per (device, stream), kept at zero: each launch leaves it zero (tile_counter_zeroed),
-# and the launches on one stream run in order, whichever thread enqueues them. A call under stream
-# capture (its graph may be replayed beside eager calls on any stream) or for another device than the
-# current one takes a fresh counter from torch's allocator, which the launch clears.
+# The forward scheduler's workspace (FtFwdParams.tile_counter: FT_FWD_COUNTERS int32, the tile counter
+# and the tail split's per-tile counters). Eager calls on the current device share one per (device,
+# stream), kept at zero: each launch leaves it zero (tile_counter_zeroed), and the launches on one stream
+# run in order, whichever thread enqueues them. A call under stream capture (its graph may be replayed
+# beside eager calls on any stream) or for another device than the current one takes a fresh workspace
+# from torch's allocator, which the launch clears.
 _kept_counters: dict = {}
 _KEPT_COUNTERS_MAX = 64
+# The tail split's fp32 scratch (FtFwdParams.split_accum, any content), kept per (device, stream) on the
+# same terms as the counters and grown to the largest size a call on that stream has needed.
+_kept_split_accums: dict = {}
+# (device index, head_dim, head_dim_v) -> ft_fwd_split_accum_bytes (a call into the library).
+_split_accum_sizes: dict = {}
 
 
-def _tile_counter(device: torch.device) -> tuple[torch.Tensor, int]:
-    """(counter, FtFwdParams.tile_counter_zeroed) for a forward launch on device's current stream."""
+def _kept_key(device: torch.device):
+    """(device index, stream) of the kept workspaces a forward launch on device's current stream uses,
+    or None where it takes fresh ones (another device than the current one, stream capture)."""
     if (device.type == "cuda" and device.index == torch._C._cuda_getDevice()
             and not torch._C._cuda_isCurrentStreamCapturing()):
-        key = (device.index, _current_stream(device))
+        return device.index, _current_stream(device)
+    return None
+
+
+def _fwd_workspaces(device: torch.device, split_bytes: int):
+    """(tile_counter, FtFwdParams.tile_counter_zeroed, split_accum or None) for a forward launch on
+    device's current stream; split_accum holds at least split_bytes (None for 0)."""
+    key = _kept_key(device)
+    if key is not None:
         counter = _kept_counters.get(key)
         if counter is None:
-            # A counter dropped with the cache returns to its own stream's pool, after its launches.
-            counter = _remember(_kept_counters, key, torch.zeros(1, dtype=torch.int32, device=device),
-                                _KEPT_COUNTERS_MAX)
-        return counter, 1
-    return torch.empty(1, dtype=torch.int32, device=device), 0
+            # A workspace dropped with the cache returns to its own stream's pool, after its launches.
+            counter = _remember(_kept_counters, key,
+                                torch.zeros(_lib.FWD_COUNTERS, dtype=torch.int32, device=device), _KEPT_COUNTERS_MAX)
+        scratch = None
+        if split_bytes > 0:
+            scratch = _kept_split_accums.get(key)
+            if scratch is None or 4 * scratch.numel() < split_bytes:
+                # A buffer replaced or dropped returns to its own stream's pool, after its launches.
+                scratch = _remember(_kept_split_accums, key, _fp32_scratch(split_bytes, device), _KEPT_COUNTERS_MAX)
+        return counter, 1, scratch
+    counter = torch.empty(_lib.FWD_COUNTERS, dtype=torch.int32, device=device)
+    return counter, 0, (_fp32_scratch(split_bytes, device) if split_bytes > 0 else None)
+
+
+def _fp32_scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(-(-nbytes // 4), dtype=torch.float32, device=device)
+
+
+def _split_accum_bytes(device_index: int, head_dim: int, head_dim_v: int) -> int:
+    """ft_fwd_split_accum_bytes(device_index, head_dim, head_dim_v), asked of the library once each."""
+    key = (device_index, head_dim, head_dim_v)
+    nbytes = _split_accum_sizes.get(key)
+    if nbytes is None:
+        nbytes = _remember(_split_accum_sizes, key, int(_lib.lib().ft_fwd_split_accum_bytes(device_index, head_dim, head_dim_v)))
+    return nbytes
+
+
+def _may_split(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, causal, window_left, window_right, path,
+               num_splits) -> bool:
+    """Whether the library may split the tail of this forward call (num_splits 0, no band mask,
+    fixed-length batches, not the Ampere path): only such calls get split_accum scratch."""
+    return (num_splits == 0 and not causal and window_left < 0 and window_right < 0 and cu_seqlens_q is None
+            and cu_seqlens_k is None and seqused_q is None and seqused_k is None and path != _lib.PATHS["ampere"])
 
 
 def _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *scalars):
@@ -161,12 +207,12 @@ def _set_seq_pointers(p: _lib.FtFwdParams, cu_seqlens_q, cu_seqlens_k, seqused_q
 
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa=0):
+              softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa=0, num_splits=0):
     key = _plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
+                    softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa, num_splits)
     plan = _fwd_plans.get(key)
     if plan is not None:
-        out_shape, lse_shape, template = plan
+        out_shape, lse_shape, template, split_bytes = plan
     else:
         out_shape, lse_shape = _out_shapes(q, v, cu_seqlens_q is not None)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -186,10 +232,19 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seq
             return out, lse
         p = _lib.FtFwdParams()
         _fill_fwd_params(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
-        _remember(_fwd_plans, key, (out_shape, lse_shape, _lib.FtFwdParams.from_buffer_copy(p)))
-    tile_counter, p.tile_counter_zeroed = _tile_counter(q.device)
+                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa,
+                         num_splits)
+        split_bytes = 0
+        if _may_split(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, causal, window_left, window_right, path,
+                      num_splits):
+            split_bytes = _split_accum_bytes(p.device, p.head_dim, p.head_dim_v)
+        _remember(_fwd_plans, key, (out_shape, lse_shape, _lib.FtFwdParams.from_buffer_copy(p), split_bytes))
+    # Fresh workspaces are held here until the launch is enqueued (torch's allocator orders their reuse
+    # after it on this stream).
+    tile_counter, p.tile_counter_zeroed, split_accum = _fwd_workspaces(q.device, split_bytes)
     p.tile_counter = tile_counter.data_ptr()
+    if split_accum is not None:  # else the template's NULL and 0 bytes
+        p.split_accum, p.split_accum_bytes = split_accum.data_ptr(), split_bytes
     _launch("ft_mha_fwd", p, q.device, "forward")
     return out, lse
 
@@ -200,17 +255,20 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, path: int,
-        deterministic: bool = False, pack_gqa: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        deterministic: bool = False, pack_gqa: int = 0, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (out, lse). `deterministic` is not used by the forward (which is always
     deterministic); it selects the deterministic backward pass of this call. pack_gqa: FtFwdParams's
-    (0 heuristic, 1 pack the query heads of a GQA group into one tile, -1 never)."""
+    (0 heuristic, 1 pack the query heads of a GQA group into one tile, -1 never). num_splits:
+    FtFwdParams's (0: the library may split the last partial wave's tiles along the keys, equal up to
+    the fp32 rounding of their combine; 1: never split)."""
     return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa)
+                     softmax_scale, causal, window_left, window_right, softcap, path, pack_gqa, num_splits)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, path, deterministic=False, pack_gqa=0):
+              softmax_scale, causal, window_left, window_right, softcap, path, deterministic=False, pack_gqa=0,
+              num_splits=0):
     out_shape, lse_shape = _out_shapes(q, v, cu_seqlens_q is not None)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -364,12 +422,12 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused
 
 # ---- autograd ----------------------------------------------------------------------------------------
 
-_FWD_NUM_INPUTS = 17  # arguments of flashtile::fwd; autograd wants one gradient (or None) for each
+_FWD_NUM_INPUTS = 18  # arguments of flashtile::fwd; autograd wants one gradient (or None) for each
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-     window_left, window_right, softcap, path, deterministic, pack_gqa) = inputs
+     window_left, window_right, softcap, path, deterministic, pack_gqa, num_splits) = inputs
     out, lse = output
     # Only tensors are saved: the four Nones of a padded call, saved beside apply()'s 14 non-tensor
     # arguments, measured +20-30 us per backward call (the autograd engine's bookkeeping).
@@ -415,13 +473,13 @@ class _AttentionFunction(torch.autograd.Function):
     torch.library's autograd layer costs ~60-110 µs per call on inputs that require grad (measured),
     which dominates short sequences; this runs the ops' bodies directly. torch.compile keeps using the
     op and its registered autograd. The op's arguments after q, k, v arrive as one tuple, so that
-    autograd has four inputs to track rather than seventeen.
+    autograd has four inputs to track rather than eighteen.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, args):
         inputs = (q, k, v, *args)
-        output = _fwd_impl(*inputs[:-2], inputs[-1])  # deterministic only matters to the backward
+        output = _fwd_impl(*inputs[:-3], *inputs[-2:])  # deterministic only matters to the backward
         _fwd_setup_context(ctx, inputs, output)
         return output
 
@@ -442,4 +500,4 @@ def attention_eager(q, k, v, *args):
     """attention() for callers that have established _eager(q, k, v)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, args)
-    return _fwd_impl(q, k, v, *args[:-2], args[-1])
+    return _fwd_impl(q, k, v, *args[:-3], *args[-2:])

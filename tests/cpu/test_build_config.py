@@ -338,11 +338,13 @@ def test_bwd_struct_embeds_fwd_struct():
     assert (copy.fwd.head_dim, copy.fwd.q) == (136, 0x1000)
 
 
-def test_bwd_semaphore_rows_constant():
+def test_header_workspace_constants():
     m = re.search(r"#define FT_BWD_SEMAPHORE_ROWS (\d+)", _header(FLASH_API_H))
     assert m is not None and int(m.group(1)) == _lib.BWD_SEMAPHORE_ROWS
     m = re.search(r"#define FT_BWD_ACCUM_ROW_PAD (\d+)", _header(FLASH_API_H))
     assert m is not None and int(m.group(1)) == _lib.BWD_ACCUM_ROW_PAD
+    m = re.search(r"#define FT_FWD_COUNTERS (\d+)", _header(FLASH_API_H))
+    assert m is not None and int(m.group(1)) == _lib.FWD_COUNTERS
 
 
 def test_ctypes_struct_layout_matches_c_compiler(tmp_path):
@@ -390,7 +392,7 @@ def _stand_in(**over):
     cfg = {"kernels": []}
     symbols = dict(ft_abi_version=_lib.ABI_VERSION, ft_fwd_params_size=ctypes.sizeof(_lib.FtFwdParams),
                    ft_bwd_params_size=ctypes.sizeof(_lib.FtBwdParams), ft_build_config=json.dumps(cfg).encode(),
-                   ft_last_error=b"", ft_mha_fwd=0, ft_mha_bwd=0)
+                   ft_last_error=b"", ft_fwd_split_accum_bytes=0, ft_mha_fwd=0, ft_mha_bwd=0)
     symbols.update(over)
     return _StandInCDLL(**{k: v for k, v in symbols.items() if v is not None}), cfg
 
@@ -414,6 +416,9 @@ def test_loader_configures_both_entry_points(fake_library_dir):
     assert lib.ft_mha_bwd.argtypes == [ctypes.POINTER(_lib.FtBwdParams), ctypes.c_void_p]
     assert lib.ft_mha_fwd.argtypes == [ctypes.POINTER(_lib.FtFwdParams), ctypes.c_void_p]
     assert lib.ft_mha_bwd.restype is ctypes.c_int and lib.ft_bwd_params_size.restype is ctypes.c_int
+    # The tail split's scratch size: int64 bytes from (device ordinal, head_dim_v).
+    assert lib.ft_fwd_split_accum_bytes.restype is ctypes.c_int64
+    assert lib.ft_fwd_split_accum_bytes.argtypes == [ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 def test_loader_rejects_older_abi_before_looking_up_new_symbols(fake_library_dir):

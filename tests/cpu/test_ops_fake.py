@@ -49,13 +49,14 @@ def test_schema():
         ("seqused_q", "Optional[Tensor]"), ("seqused_k", "Optional[Tensor]"),
         ("max_seqlen_q", "int"), ("max_seqlen_k", "int"), ("softmax_scale", "float"), ("causal", "bool"),
         ("window_left", "int"), ("window_right", "int"), ("softcap", "float"), ("path", "int"),
-        ("deterministic", "bool"), ("pack_gqa", "int"),
+        ("deterministic", "bool"), ("pack_gqa", "int"), ("num_splits", "int"),
     ]
-    # deterministic (used by the backward only) and pack_gqa (0: heuristic) have defaults, so a graph
-    # that omits them stays valid.
-    assert schema.arguments[-2].default_value is False
+    # deterministic (used by the backward only), pack_gqa (0: heuristic) and num_splits (0: the library
+    # may split the tail) have defaults, so a graph that omits them stays valid.
+    assert schema.arguments[-3].default_value is False
+    assert schema.arguments[-2].default_value == 0
     assert schema.arguments[-1].default_value == 0
-    assert all(a.default_value is None for a in schema.arguments[:-2])
+    assert all(a.default_value is None for a in schema.arguments[:-3])
     assert [str(r.type) for r in schema.returns] == ["Tensor", "Tensor"]
     # A functional op: no input is mutated or aliased by an output.
     assert not schema.is_mutable
@@ -369,9 +370,9 @@ def test_api_padded_under_fake_mode(fake_cuda, recorded):
     assert req2 == dict(op="fwd", dtype="bf16", head_dim=192, head_dim_v=128, band=True, softcap=True, path="ampere")
     a1, a2 = recorded["op"]
     # (..., max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, path,
-    #  deterministic, pack_gqa (0 heuristic, 1 on, -1 off))
-    assert a1[7:] == (5, 7, pytest.approx(192 ** -0.5), True, -1, 0, 0.0, _lib.PATHS["auto"], False, 0)
-    assert a2[7:] == (5, 7, 0.5, False, 3, -1, 30.0, _lib.PATHS["ampere"], False, 1)
+    #  deterministic, pack_gqa (0 heuristic, 1 on, -1 off), num_splits (0: the library's tail split))
+    assert a1[7:] == (5, 7, pytest.approx(192 ** -0.5), True, -1, 0, 0.0, _lib.PATHS["auto"], False, 0, 0)
+    assert a2[7:] == (5, 7, 0.5, False, 3, -1, 30.0, _lib.PATHS["ampere"], False, 1, 0)
 
 
 @pytest.mark.parametrize("window, causal, band", [((-1, -1), False, False), ((-1, -1), True, True),
@@ -454,6 +455,28 @@ def test_api_passes_deterministic_through(fake_cuda, recorded):
     # deterministic is the op's last argument; the KV-cache API has none (False).
     assert [a[15] for a in recorded["op"]] == [True, False, True, False, True, False, False]
     assert all(type(a[15]) is bool for a in recorded["op"])
+
+
+def test_api_passes_num_splits_through(fake_cuda, recorded):
+    """num_splits reaches the op as its last argument: 0 (flashtile's default, the library's tail split)
+    unless 1 (never split) is asked for; None and 0 are the default."""
+    with fake_cuda:
+        q, k, v = _fake_qkv(2, 5, 7, 4, 2, 128)
+        flashtile.flash_attn_func(q, k, v)
+        flashtile.flash_attn_func(q, k, v, num_splits=1)
+        flashtile.flash_attn_func(q, k, v, num_splits=None)
+        qp = torch.empty(11, 4, 128, dtype=BF16, device="cuda")
+        kp = torch.empty(23, 2, 128, dtype=BF16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        flashtile.flash_attn_varlen_func(qp, kp, kp, cu, cu, 6, 12)
+        flashtile.flash_attn_varlen_func(qp, kp, kp, cu, cu, 6, 12, num_splits=1)
+        flashtile.flash_attn_qkvpacked_func(torch.empty(2, 9, 3, 4, 64, dtype=BF16, device="cuda"))
+        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=3)
+        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=3, num_splits=1)
+        with pytest.raises(NotImplementedError, match=r"split-KV \(num_splits=2\)"):
+            flashtile.flash_attn_func(q, k, v, num_splits=2)
+    assert [a[17] for a in recorded["op"]] == [0, 1, 0, 0, 1, 0, 0, 1]
+    assert all(type(a[17]) is int and len(a) == 18 for a in recorded["op"])
 
 
 @pytest.fixture(params=["meta", "fake-cuda"])

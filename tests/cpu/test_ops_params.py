@@ -1,7 +1,8 @@
 """What the ops hand to the C ABI, checked without a GPU: the ops' implementations run on CPU tensors
 against a stand-in library that records the FtFwdParams / FtBwdParams it receives (pointers, element
 strides, geometry, workspaces) and can fail the call. Host memory is readable at the recorded
-addresses, so workspace contents (zeroed semaphores, zeroed gradients) are checked at call time.
+addresses, so workspace contents (zeroed semaphores, zeroed gradients) are checked at call time. The
+stand-in also answers ft_fwd_split_accum_bytes (the tail split's scratch size) with a chosen value.
 """
 import ctypes
 import math
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile import _lib, ops
+from flashtile import _lib, interface, ops
 
 BC = sys.modules["flashtile.build_config"]
 BF16 = torch.bfloat16
@@ -20,9 +21,14 @@ BF16 = torch.bfloat16
 class StandInLibrary:
     """Records each call's params struct (a copy) and what the buffers held at call time."""
 
-    def __init__(self, rc=_lib.OK, error=""):
+    def __init__(self, rc=_lib.OK, error="", split_bytes=0):
         self.rc, self.error = rc, error
         self.fwd_calls, self.bwd_calls = [], []
+        self.split_bytes, self.split_queries = split_bytes, []
+
+    def ft_fwd_split_accum_bytes(self, device, head_dim, head_dim_v):
+        self.split_queries.append((device, head_dim, head_dim_v))
+        return self.split_bytes
 
     def ft_mha_fwd(self, params_ref, stream):
         p = params_ref._obj
@@ -55,6 +61,9 @@ def lib(monkeypatch):
     stand_in = StandInLibrary()
     monkeypatch.setattr(_lib, "lib", lambda: stand_in)
     monkeypatch.setattr(ops, "_current_stream", lambda device: 0x5EED)
+    # Caches that hold what the stand-in answered (the split scratch's size) or allocated start empty.
+    for cache in ("_fwd_plans", "_bwd_plans", "_split_accum_sizes", "_kept_counters", "_kept_split_accums"):
+        monkeypatch.setattr(ops, cache, {})
     return stand_in
 
 
@@ -109,6 +118,8 @@ def test_fwd_params_padded(lib):
     assert (p.window_left, p.window_right, p.is_causal) == (8, 0, 1)
     assert (p.dtype, p.path, p.device) == (_lib.DTYPE_BF16, _lib.PATHS["ampere"], -1)  # CPU: no device index
     assert p.pack_gqa == 0  # heuristic
+    assert p.num_splits == 0 and p.reserved == 0  # the library may split the tail (where it can)
+    assert not p.split_accum and p.split_accum_bytes == 0  # a band mask: never split, no scratch
     assert out.shape == (3, 17, 6, 128) and lse.shape == (3, 6, 17)
 
 
@@ -188,6 +199,210 @@ def test_fwd_params_varlen_plan_reuse(lib):
         assert (p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k) == (cu_q.data_ptr(), cu_k.data_ptr(), used_k.data_ptr())
         assert not p.seqused_q
     assert (p3.batch, p3.seqlen_k, p3.cu_seqlens_q) == (2, 20, cu_q3.data_ptr()) and not p3.seqused_k
+
+
+# ---- num_splits and the tail split's workspaces ------------------------------------------------------
+
+SPLIT_BYTES = 3 * 4096 + 2  # not a whole number of floats: the scratch rounds up
+
+
+def _split_case(d=128, dv=128):
+    return _rand(2, 300, 4, d), _rand(2, 500, 2, d), _rand(2, 500, 2, dv)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_fwd_params_num_splits(lib, num_splits):
+    q, k, v = _split_case()
+    ops._fwd_impl(*_fwd_args(q, k, v), 0, num_splits)
+    ((p, _),) = lib.fwd_calls
+    assert (p.num_splits, p.reserved) == (num_splits, 0)
+
+
+def test_fwd_split_accum_for_a_call_that_may_split(lib):
+    """A call the library may split (no band mask, fixed-length batches, num_splits 0, not the Ampere
+    path) gets scratch of the bytes ft_fwd_split_accum_bytes names for its device and head dims."""
+    lib.split_bytes = SPLIT_BYTES
+    q, k, v = _split_case(192, 128)
+    out, lse = ops._fwd_impl(*_fwd_args(q, k, v, path=_lib.PATHS["auto"]))
+    ((p, _),) = lib.fwd_calls
+    assert p.num_splits == 0
+    assert p.split_accum and p.split_accum_bytes == SPLIT_BYTES
+    assert p.split_accum not in (p.q, p.k, p.v, p.out, p.lse, p.tile_counter)
+    assert lib.split_queries == [(-1, 192, 128)]  # (device ordinal, head dims); CPU tensors have ordinal -1
+    ops._fwd_impl(*_fwd_args(q, k, v, path=_lib.PATHS["hopper"]))
+    assert lib.fwd_calls[1][0].split_accum_bytes == SPLIT_BYTES
+
+
+@pytest.mark.parametrize("case", ["causal", "window-left", "window-right", "varlen", "seqused-q", "seqused-k",
+                                  "num-splits-1", "ampere"])
+def test_fwd_no_split_accum_where_the_call_cannot_split(lib, case):
+    """Band masks, packed or seqused batches, num_splits=1 and the Ampere path never split: NULL
+    scratch and 0 bytes, without asking the library for a size."""
+    lib.split_bytes = SPLIT_BYTES
+    q, k, v = _split_case()
+    used = torch.tensor([7, 300], dtype=torch.int32)
+    kw, extra = dict(path=_lib.PATHS["auto"]), ()
+    if case == "causal":
+        kw.update(causal=True)  # the flag alone (the API also sets window_right 0, tested below)
+    elif case == "window-left":
+        kw.update(left=64)
+    elif case == "window-right":
+        kw.update(right=0)
+    elif case == "varlen":
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+        kw.update(cu_q=torch.tensor([0, 300, 600], dtype=torch.int32),
+                  cu_k=torch.tensor([0, 500, 1000], dtype=torch.int32), max_q=300, max_k=500)
+    elif case == "seqused-q":
+        kw.update(used_q=used)
+    elif case == "seqused-k":
+        kw.update(used_k=used)
+    elif case == "num-splits-1":
+        extra = (0, 1)
+    else:
+        kw.update(path=_lib.PATHS["ampere"])
+    ops._fwd_impl(*_fwd_args(q, k, v, **kw), *extra)
+    ((p, _),) = lib.fwd_calls
+    assert not p.split_accum and p.split_accum_bytes == 0
+    assert lib.split_queries == []
+
+
+def test_fwd_no_split_accum_where_the_device_has_no_split_kernel(lib):
+    q, k, v = _split_case()
+    ops._fwd_impl(*_fwd_args(q, k, v, path=_lib.PATHS["auto"]))
+    ((p, _),) = lib.fwd_calls
+    assert not p.split_accum and p.split_accum_bytes == 0
+    assert lib.split_queries == [(-1, 128, 128)]
+
+
+def test_fwd_split_accum_size_is_asked_once_per_device_and_head_dim(lib):
+    """The size query goes to the library once per (device, head dims); a plan remembers the call's
+    bytes, and its template keeps no per-call pointer."""
+    lib.split_bytes = SPLIT_BYTES
+    auto = _lib.PATHS["auto"]
+    q, k, v = _split_case()
+    ops._fwd_impl(*_fwd_args(q, k, v, path=auto))
+    ops._fwd_impl(*_fwd_args(q, k, v, path=auto))       # the plan
+    q2, k2, v2 = _rand(1, 64, 2, 128), _rand(1, 64, 2, 128), _rand(1, 64, 2, 128)
+    ops._fwd_impl(*_fwd_args(q2, k2, v2, path=auto))    # another plan, the same head dims
+    assert lib.split_queries == [(-1, 128, 128)]
+    q3, k3, v3 = _rand(1, 64, 2, 64), _rand(1, 64, 2, 64), _rand(1, 64, 2, 64)
+    ops._fwd_impl(*_fwd_args(q3, k3, v3, path=auto))
+    assert lib.split_queries == [(-1, 128, 128), (-1, 64, 64)]
+    assert all(p.split_accum and p.split_accum_bytes == SPLIT_BYTES for p, _ in lib.fwd_calls)
+    templates = [plan[2] for plan in ops._fwd_plans.values()]
+    assert len(templates) == 3 and not any(t.split_accum or t.split_accum_bytes or t.tile_counter for t in templates)
+    assert [plan[3] for plan in ops._fwd_plans.values()] == [SPLIT_BYTES] * 3
+
+
+def test_fwd_workspaces_fresh():
+    """Off the current device or under stream capture (CPU tensors take this path): a fresh scheduler
+    workspace of FT_FWD_COUNTERS int32 that the launch clears, and fresh fp32 split scratch."""
+    counter, zeroed, scratch = ops._fwd_workspaces(torch.device("cpu"), 4 * 25 + 1)
+    assert counter.dtype == torch.int32 and counter.numel() == _lib.FWD_COUNTERS == 1024 and zeroed == 0
+    assert scratch.dtype == torch.float32 and scratch.numel() == 26
+    counter, zeroed, scratch = ops._fwd_workspaces(torch.device("cpu"), 0)
+    assert counter.numel() == _lib.FWD_COUNTERS and zeroed == 0 and scratch is None
+
+
+def test_fwd_workspaces_kept_per_stream(lib, monkeypatch):
+    """Eager calls on the current device keep one zeroed scheduler workspace and one split scratch per
+    (device, stream); the scratch is replaced by a larger one when a call needs more."""
+    stream = {"id": 1}
+    monkeypatch.setattr(ops, "_kept_key", lambda device: (0, stream["id"]))
+    cpu = torch.device("cpu")
+    counter, zeroed, s1 = ops._fwd_workspaces(cpu, 100)
+    assert zeroed == 1 and counter.numel() == _lib.FWD_COUNTERS and not counter.any()
+    assert s1.numel() == 25 and ops._kept_counters[(0, 1)] is counter and ops._kept_split_accums[(0, 1)] is s1
+    c2, _, s2 = ops._fwd_workspaces(cpu, 40)  # fits the kept scratch
+    assert c2 is counter and s2 is s1
+    c3, _, s3 = ops._fwd_workspaces(cpu, 400)  # does not: a larger one replaces it
+    assert c3 is counter and s3.numel() == 100 and ops._kept_split_accums[(0, 1)] is s3
+    c4, _, s4 = ops._fwd_workspaces(cpu, 0)
+    assert c4 is counter and s4 is None and ops._kept_split_accums[(0, 1)] is s3
+    stream["id"] = 2  # another stream: workspaces of its own
+    c5, _, s5 = ops._fwd_workspaces(cpu, 40)
+    assert c5 is not counter and s5 is not s3 and s5.numel() == 10
+    # What a launch gets.
+    lib.split_bytes = SPLIT_BYTES
+    q, k, v = _split_case()
+    ops._fwd_impl(*_fwd_args(q, k, v, path=_lib.PATHS["auto"]))
+    ((p, _),) = lib.fwd_calls
+    assert (p.tile_counter, p.tile_counter_zeroed) == (c5.data_ptr(), 1)
+    assert p.split_accum == ops._kept_split_accums[(0, 2)].data_ptr() and p.split_accum_bytes == SPLIT_BYTES
+    assert ops._kept_split_accums[(0, 2)].numel() == -(-SPLIT_BYTES // 4)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_eager_attention_passes_pack_gqa_and_num_splits(lib, grad):
+    """ops.attention_eager (and its autograd.Function) hands pack_gqa and num_splits to the forward and
+    keeps deterministic for the backward."""
+    q, k, v = _split_case()
+    if grad:
+        q.requires_grad_(True)
+    args = _fwd_args(q, k, v, path=_lib.PATHS["auto"])[3:] + (True, -1, 1)  # deterministic, pack_gqa, num_splits
+    out, lse = ops.attention_eager(q, k, v, *args)
+    ((p, _),) = lib.fwd_calls
+    assert (p.pack_gqa, p.num_splits, p.path) == (-1, 1, _lib.PATHS["auto"])
+    assert out.requires_grad is grad
+    if grad:
+        assert out.grad_fn.deterministic is True and out.grad_fn.path == _lib.PATHS["auto"]
+
+
+# ---- the public API down to the struct ----------------------------------------------------------------
+
+@pytest.fixture
+def api(lib, monkeypatch):
+    """The public API on CPU tensors, run eagerly down to the stand-in library (device and kernel
+    checks switched off)."""
+    monkeypatch.setattr(interface, "_eager", lambda *t: True)
+    monkeypatch.setattr(ops, "_eager", lambda *t: True)
+    monkeypatch.setattr(interface.V, "check_same_device", lambda tensors: None)
+    monkeypatch.setattr(interface, "require_kernel", lambda **kw: None)
+    monkeypatch.setattr(interface, "_validated", {})
+    lib.split_bytes = SPLIT_BYTES
+    return lib
+
+
+def test_api_num_splits(api):
+    """flash_attn_func's num_splits defaults to 0 (the library's tail split, with scratch where the
+    call may split); 1 never splits; None and 0 mean the default; more than 1 is not implemented."""
+    q, k, v = _split_case()
+    flashtile.flash_attn_func(q, k, v)
+    flashtile.flash_attn_func(q, k, v, num_splits=1)
+    flashtile.flash_attn_func(q, k, v, num_splits=None)
+    flashtile.flash_attn_func(q, k, v, num_splits=0)
+    flashtile.flash_attn_func(q, k, v, num_splits=1)  # the validated-call cache keeps them apart
+    flashtile.flash_attn_func(q, k, v, causal=True)
+    ps = [p for p, _ in api.fwd_calls]
+    assert [p.num_splits for p in ps] == [0, 1, 0, 0, 1, 0]
+    assert [p.split_accum_bytes for p in ps] == [SPLIT_BYTES, 0, SPLIT_BYTES, SPLIT_BYTES, 0, 0]
+    assert [bool(p.split_accum) for p in ps] == [True, False, True, True, False, False]
+    with pytest.raises(NotImplementedError, match=r"split-KV \(num_splits=2\)"):
+        flashtile.flash_attn_func(q, k, v, num_splits=2)
+    assert len(api.fwd_calls) == 6
+
+
+def test_api_num_splits_other_entry_points(api):
+    q, k, v = _split_case()
+    flashtile.flash_attn_qkvpacked_func(torch.stack((q, q, q), dim=2))  # FA3's has no num_splits: the default
+    qp, kp = q.flatten(0, 1), k.flatten(0, 1)
+    cu_q = torch.tensor([0, 300, 600], dtype=torch.int32)
+    cu_k = torch.tensor([0, 500, 1000], dtype=torch.int32)
+    flashtile.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_k, 300, 500)
+    flashtile.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_k, 300, 500, num_splits=1)
+    flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=400)
+    flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=400, num_splits=1)
+    ps = [p for p, _ in api.fwd_calls]
+    assert [p.num_splits for p in ps] == [0, 0, 1, 0, 1]
+    # Packed batches and KV caches (seqused_k) are never split: no scratch.
+    assert ps[0].split_accum and ps[0].split_accum_bytes == SPLIT_BYTES
+    assert not any(p.split_accum or p.split_accum_bytes for p in ps[1:])
+
+
+def test_api_num_splits_defaults():
+    import inspect
+    for fn in (flashtile.flash_attn_func, flashtile.flash_attn_varlen_func, flashtile.flash_attn_with_kvcache):
+        assert inspect.signature(fn).parameters["num_splits"].default == 0, fn.__name__
 
 
 # ---- the backward struct -----------------------------------------------------------------------------

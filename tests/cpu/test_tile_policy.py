@@ -117,3 +117,75 @@ int main() {
 
 def test_ampere_fwd_tile_choice_on_the_host(run_host_program):
     run_host_program(PROGRAM)
+
+
+SPLIT_PROGRAM = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "common/tile_policy.h"
+using namespace flashtile;
+
+static int failures = 0;
+#define CHECK(c) do { if (!(c)) { ++failures; std::printf("FAIL line %d: %s\n", __LINE__, #c); } } while (0)
+
+int main() {
+  // Whatever the problem, a plan runs every unit once: the whole ones, then the tail's parts in one
+  // round (at most one per CTA of the grid), at least one KV block per part, within the scratch's items,
+  // and only where a part (n / s + 1 blocks) costs at most 3 / 4 of a whole tile (n + 1).
+  for (int units = 1; units <= 600; units += 7) {
+    for (int slots : {66, 114, 132}) {
+      for (int n : {1, 2, 3, 4, 8, 16, 40}) {
+        for (int max_items : {0, 5, 132, 1 << 20}) {
+          FwdSplitPlan const p = hopper_fwd_split_plan(units, slots, n, max_items);
+          int const tail = units - p.num_whole;
+          CHECK(p.splits >= 1 && p.num_whole >= 0 && tail >= 0);
+          if (p.splits == 1) {
+            CHECK(p.num_whole == units);
+            continue;
+          }
+          CHECK(tail == units % slots && tail > 0);
+          CHECK(tail * p.splits <= slots && tail * p.splits <= max_items);
+          CHECK(p.splits <= n && p.splits <= 16);
+          CHECK(4.0 * (double(n) / p.splits + 1) <= 3.0 * (n + 1));
+          // As many parts as fit: one more would leave one round, the blocks, the scratch or the cap.
+          int const s = p.splits + 1;
+          CHECK(tail * s > slots || tail * s > max_items || s > n || s > 16);
+        }
+      }
+    }
+  }
+  // Whole waves, or one KV block per tile: nothing to split.
+  CHECK(hopper_fwd_split_plan(264, 132, 8, 1 << 20).splits == 1);
+  CHECK(hopper_fwd_split_plan(133, 132, 1, 1 << 20).splits == 1);
+  // The benchmark's shapes on 132 SMs (66 2-CTA clusters): d 64 at 512 (2048 pairs, 4 KV blocks: 2
+  // left, 4 parts each), 2k (the tall tile: 2816 tiles, 16 blocks: 44 left, 3 parts) and 4k (1408
+  // pairs, 32 blocks: 22 left, 3 parts); d 128 at 512 (1024 pairs: 34 left) and at 2k (the tall tile:
+  // 1408 tiles, 88 left) would need two rounds and stay whole.
+  FwdSplitPlan const s512 = hopper_fwd_split_plan(2048, 66, 4, 132);
+  CHECK(s512.num_whole == 2046 && s512.splits == 4);
+  FwdSplitPlan const s2k = hopper_fwd_split_plan(2816, 132, 16, 264);
+  CHECK(s2k.num_whole == 2772 && s2k.splits == 3);
+  CHECK(hopper_fwd_split_plan(1408, 66, 32, 132).splits == 3);
+  CHECK(hopper_fwd_split_plan(1024, 66, 4, 132).splits == 1);
+  CHECK(hopper_fwd_split_plan(1408, 132, 26, 264).splits == 1);
+  // A grid below one wave: its tiles split up to the idle CTAs (9 tiles of 24 blocks: 14 parts each).
+  FwdSplitPlan const small = hopper_fwd_split_plan(9, 132, 24, 264);
+  CHECK(small.num_whole == 0 && small.splits == 14);
+  // The scratch: a record of d_v / 2 + 4 floats per consumer thread of one grid's worth of CTAs, for the
+  // tallest tile of the buckets (192 rows at d <= 128).
+  CHECK(hopper_fwd_split_record_floats(64) == 36 && hopper_fwd_split_record_floats(256) == 132);
+  CHECK(hopper_fwd_split_accum_bytes(132, 64, 64) == 132ll * 384 * 36 * 4);
+  CHECK(hopper_fwd_split_accum_bytes(132, 64, 100) == 132ll * 384 * 68 * 4);
+  CHECK(hopper_fwd_split_accum_bytes(132, 128, 128) == 132ll * 384 * 68 * 4);
+  // Above d 128 (O staged over V) nothing splits.
+  CHECK(hopper_fwd_split_accum_bytes(132, 256, 256) == 0);
+  CHECK(hopper_fwd_split_accum_bytes(132, 192, 128) == 0);
+  CHECK(hopper_fwd_split_accum_bytes(132, 128, 264) == 0);
+  std::printf("%d failures\n", failures);
+  return failures != 0;
+}
+"""
+
+
+def test_hopper_fwd_tail_split_plan_on_the_host(run_host_program):
+    run_host_program(SPLIT_PROGRAM)

@@ -328,6 +328,52 @@ def test_fwd_tall_tile_varlen(dtype, causal, seed):
         _check_varlen_causal(f"d{d}x{dv} varlen out", lens_q, lens_k, 4, 2, d, dv, dtype, seed, causal)
 
 
+# Tail split (Hopper forward without a band mask, fixed-length batches): the tiles of the grid's last
+# partial wave run in parts along the keys, and the part that finishes last combines them. Cases: a
+# grid smaller than one wave (every tile split; GQA packed and not), 2-CTA clusters (an even number of
+# query blocks), one whole wave plus one tile (133 heads of one query block), and the tall tile.
+# num_splits=1 turns the split off; the split result must pass the same check, repeat bitwise across
+# calls with other work in between (each launch leaves the split counters at zero), and differ from
+# the unsplit one in the LSE's last bits somewhere (the parts' log-sum-exp), so the split ran. Head dims
+# above 128 (O staged over V) do not split: there both must be the same.
+SPLIT_CASES = {
+    "small-grid": dict(b=1, sq=333, sk=3000, h=3, hk=1, pack_gqa=False),
+    "small-grid-pack": dict(b=1, sq=333, sk=3000, h=3, hk=1, pack_gqa=True),
+    "clusters": dict(b=2, sq=512, sk=1536, h=4, hk=4),
+    "wave-plus-one": dict(b=1, sq=128, sk=1031, h=133, hk=133),
+    "tall": dict(b=1, sq=4000, sk=700, h=2, hk=2),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fwd_tail_split(dtype, hdim, case, seed):
+    d, dv = hdim
+    require_built(dtype, d, dv, band=False)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tail split is the Hopper forward's")
+    c = dict(SPLIT_CASES[case])
+    b, sq, sk, h, hk = (c.pop(x) for x in ("b", "sq", "sk", "h", "hk"))
+    q, k, v = random_qkv(b, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    refs = _refs(q, k, v)
+    other = random_qkv(2, 200, 700, 4, 4, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed + 1)
+    runs = []
+    for i in range(3):
+        flash_attn_func(*(t * (i + 1) for t in other))
+        out, lse = run_fwd(q, k, v, **c)
+        _check(f"split run {i}", out, lse, refs)
+        runs.append((out, lse))
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    out1, lse1 = run_fwd(q, k, v, num_splits=1, **c)
+    _check("unsplit", out1, lse1, refs)
+    if max(d, dv) <= 128:
+        assert not torch.equal(lse1, runs[0][1]), "num_splits=0 gave the unsplit LSE bit for bit: no split ran"
+    else:
+        assert torch.equal(out1, runs[0][0]) and torch.equal(lse1, runs[0][1])
+
+
 WINDOWS = [((64, 0), False), ((32, 17), False), ((0, 0), False), ((-1, 5), False), ((7, -1), False),
            ((64, -1), True)]
 WINDOW_SEQLENS = [(113, 203), (239, 1), (300, 129), (1023, 1024)]
