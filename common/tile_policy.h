@@ -390,13 +390,16 @@ constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, int seqlen_q) {
 // keys into `splits` parts of at least one block, one CTA each, all in one round (tail * splits <=
 // slots: two rounds of 3 parts measured -1.7% at d 128 2k, benchmarks/NOTES.md session 46). A tile of
 // n KV blocks costs about n + 1 blocks' time (its head and tail overlap nothing: session 33's probe),
-// a part n / splits + 1; the plan takes as many parts as fit, within max_items (the scratch that holds
-// their outputs), where a part costs at most 3 / 4 of a whole tile. Measured (H200, sustained): d 64
-// non-causal 4k +1.5%, 2k +0.3%, 512-1k level (the 2-CTA clusters' static schedule: the slowest
-// cluster, not the one with the extra tile, ends the call); grids below one wave gain most.
+// a part ceil(n / splits) + 1; the plan takes as many parts as fit, within max_items (the scratch that
+// holds their outputs), as ceil(n / splits) blocks each (none empty), where a part costs at most 3 / 4
+// of a whole tile, and only for grids of at most kSplitMaxWaves whole waves before the tail. Measured
+// (H200, benchmarks/NOTES.md session 46): grids below one wave 1.25-2.7x (b 1, 4-32 heads, keys 2k-32k);
+// the benchmark's grids of 10-31 waves split / unsplit 0.99-1.015 (d 64 non-causal 512-4k), less than
+// the split kernel's own cost there (2-3.5% at d 64 512-1k), so they run whole.
 struct FwdSplitPlan {
-  int num_whole;  // units before the tail, run whole
-  int splits;     // parts per tail unit (1: no split)
+  int num_whole;        // units before the tail, run whole
+  int splits;           // parts per tail unit (1: no split)
+  int blocks_per_part;  // KV blocks of each part but the last (which may have fewer, at least one)
 };
 
 // Build-time cap of the parts per tail tile (measurement; 1 disables the split); -1 = policy (16).
@@ -404,17 +407,21 @@ struct FwdSplitPlan {
 #define FLASHTILE_FWD_MAX_SPLITS -1
 #endif
 
+constexpr int kSplitMaxWaves = 2;
+
 constexpr FwdSplitPlan hopper_fwd_split_plan(int units, int slots, int n_blocks, int max_items) {
   int const max_splits = FLASHTILE_FWD_MAX_SPLITS >= 1 ? FLASHTILE_FWD_MAX_SPLITS : 16;
-  FwdSplitPlan plan{units, 1};
-  if (slots <= 0 || units % slots == 0) { return plan; }
+  FwdSplitPlan plan{units, 1, n_blocks};
+  if (slots <= 0 || units % slots == 0 || units / slots > kSplitMaxWaves) { return plan; }
   int const tail = units % slots;
   int s = slots / tail;
   s = s < max_items / tail ? s : max_items / tail;
   s = s < n_blocks ? s : n_blocks;
   s = s < max_splits ? s : max_splits;
-  // n / s + 1 <= 3 / 4 (n + 1), in integers.
-  if (s >= 2 && 4 * (n_blocks + s) <= 3 * s * (n_blocks + 1)) { plan = FwdSplitPlan{units - tail, s}; }
+  if (s < 2) { return plan; }
+  int const per_part = (n_blocks + s - 1) / s;
+  s = (n_blocks + per_part - 1) / per_part;
+  if (s >= 2 && 4 * (per_part + 1) <= 3 * (n_blocks + 1)) { plan = FwdSplitPlan{units - tail, s, per_part}; }
   return plan;
 }
 

@@ -33,9 +33,9 @@
 // per consumer warpgroup of every CTA, once its O has left) gates the producer's next V load.
 // The serial schedule (only under FLASHTILE_HOPPER_SCHEDULE) stores O with both warpgroups through
 // registers. The LSE goes out directly.
-// Tail split (kTailSplit, hopper_fwd_split_plan): the grid's last partial wave of tiles runs in parts
-// along the keys; each part's warpgroups leave O and LSE in split_accum and the part that counts last
-// combines them (combine_parts) before the epilogue.
+// Tail split (kSplit instances, hopper_fwd_split_plan): the grid's last partial wave of tiles runs in
+// parts along the keys; each part's warpgroups leave O and LSE in split_accum and the part that counts
+// last combines them (combine_parts) before the epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -80,7 +80,7 @@ struct FwdKernelParams {
   FwdParams fwd;
   int num_m_blocks;
   int heads_per_section, lead_pairs, lead_group;  // band-mask tile order (TileScheduler)
-  int num_whole, splits;                          // tail split (TileScheduler, hopper_fwd_split_plan)
+  int num_whole, splits, blocks_per_part;         // tail split (TileScheduler, hopper_fwd_split_plan)
   // GQA packing: pack > 1 puts the `pack` query heads of a KV head into one tile (row r: query
   // r / pack of head r % pack), a tile spans q_per_tile queries, and the scheduler's heads are KV
   // heads. Q then loads through tma_q_packed; O and the LSE leave through per-row stores.
@@ -168,24 +168,28 @@ CUTE_DEVICE int wg_block_max(FtFwdParams const& p, TileWork const& w, int wg, in
   }
 }
 
-// The kernels that may split their tail (hopper_fwd_split_plan): the overlapped schedule without a
-// band mask, except where O is staged over V (d 192 / 256): there the parts' combine spilled 28-48 B in
-// the mainloop (its 128 O registers and the combine's loads live at once).
+// The tiles that may split their tail (hopper_fwd_split_plan): the overlapped schedule without a band
+// mask, except where O is staged over V (d 192 / 256): there the parts' combine spilled 28-48 B in the
+// mainloop (its 128 O registers and the combine's loads live at once). Their launches that split run
+// a second instance of the kernel (kSplit): with the parts' code the others measured 2-3.5% slower at
+// d 64 512-1k (benchmarks/NOTES.md session 46).
 template <class Traits, bool kIsBand>
 constexpr bool kTailSplit = !kIsBand && Traits::kIntraWGOverlap && !Traits::kOOverV;
 
-// q_per_tile: queries per tile (block_m, or fewer under GQA packing). A part of a split tile walks
-// its share of the tile's KV blocks (the launcher splits only tiles of at least `splits` blocks).
-template <class Traits, bool kIsBand>
-CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile, int splits) {
+// q_per_tile: queries per tile (block_m, or fewer under GQA packing). Part i of a split tile walks its
+// blocks [i, i + 1) * blocks_per_part (hopper_fwd_split_plan: every part has one).
+template <class Traits, bool kIsBand, bool kSplit>
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile, int blocks_per_part) {
   SeqInfo const seq(params.abi, c.bidb);
   TileWork w{c, seq, 0, 0, c.m_block * q_per_tile < seq.seqlen_q_alloc, false};
   if (w.in_range) {
     kv_block_range<kIsBand>(params.abi, seq, c.m_block, q_per_tile, Traits::kBlockN, w.n_block_min, w.n_block_max);
-    if (kTailSplit<Traits, kIsBand> && c.split_item >= 0) {
-      int const part = c.split_item % splits, n = w.n_block_max - w.n_block_min;
-      w.n_block_max = w.n_block_min + n * (part + 1) / splits;
-      w.n_block_min += n * part / splits;
+    if (kSplit && c.split >= 0) {
+      // Multiplications only: with the parts' bounds as divisions (on the vector pipes) the consumers'
+      // pipeline stages and the GMMA descriptors made from them left the uniform registers (an R2UR
+      // per k-slice in the KV loop: -6% at d 64 512-1k, split or not).
+      w.n_block_min += (c.split & 0xffff) * blocks_per_part;
+      w.n_block_max = min(w.n_block_max, w.n_block_min + blocks_per_part);
     }
     w.active = c.m_block * q_per_tile < seq.seqlen_q && w.n_block_max > w.n_block_min;
   }
@@ -229,9 +233,11 @@ struct ConsumerPipeline {
   }
 };
 
-template <class Traits, bool kIsBand, bool kHasSoftcap, int kClusterM>
+// kSplit (kTailSplit tiles only): the instance for launches that split their tail.
+template <class Traits, bool kIsBand, bool kHasSoftcap, int kClusterM, bool kSplit = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(__grid_constant__ FwdKernelParams<Traits, kClusterM> const kp) {
+  static_assert(!kSplit || kTailSplit<Traits, kIsBand>, "only kTailSplit tiles have a split instance");
   using Element = typename Traits::Element;
   using MainloopPipeline = typename Traits::MainloopPipeline;
   using PipelineState = typename Traits::PipelineState;
@@ -425,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // and the next tile's first ones.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(idx); }
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
+      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
       auto publish = [&] {
         idx = __shfl_sync(0xffffffff, next, leader_lane);
         coord = idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone;
@@ -480,7 +486,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.
   auto next_work = [&](TileCoord coord, TileWork& w) {
     for (; coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
+      w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
       if (!w.in_range) { continue; }
       if (w.active) { return true; }
       write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
@@ -538,8 +544,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kChunks = kRowsPerThread * kCols / 4;  // float4 of O per thread, then one of LSE
     static_assert(kCols % 4 == 0 && kRowsPerThread <= 4, "a record row is whole float4");
     int const splits = kp.splits;
-    int const part = c.split_item % splits;
-    int const slot = c.split_item / splits * kClusterM + sched.cluster_rank();
+    int const part = c.split & 0xffff;
+    int const slot = (c.split >> 16) * kClusterM + sched.cluster_rank();
     float4* const records = reinterpret_cast<float4*>(p.split_accum) + (int64_t(slot) * splits * kNWG + wg) * 128 * (kChunks + 1);
     auto record = [&](int i) { return records + int64_t(i) * kNWG * 128 * (kChunks + 1) + wg_thread; };
     float4* const mine = record(part);
@@ -620,8 +626,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor out = rowcol(tOrO);
     Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
     softmax.finalize(out, lse, params.scale_ln);
-    if constexpr (kTailSplit<Traits, kIsBand>) {
-      if (c.split_item >= 0 && !combine_parts(c, tOrO, lse)) {
+    if constexpr (kSplit) {
+      if (c.split >= 0 && !combine_parts(c, tOrO, lse)) {
         // Another part stores the tile: release what the store would have.
         if constexpr (Traits::kOOverV) {
           cutlass::arch::NamedBarrier::sync(256, fwd_vread_barrier(wg == 0 ? 1 : 0));
@@ -694,7 +700,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     // `continue` also goes through the hand-off (the loop's increment).
     for (TileCoord coord = sched.tile(sched.first()); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      TileWork const w = make_tile_work<Traits, kIsBand>(params, coord, kp.q_per_tile, kp.splits);
+      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
       if (!w.in_range) { continue; }
       if (!w.active) {
         write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,

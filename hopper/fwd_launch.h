@@ -150,7 +150,7 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   // Tail split (hopper_fwd_split_plan, kTailSplit): every tile walks the same blocks only with one
   // length for all batches; each consumer warpgroup's part needs a record in split_accum and a counter
   // in tile_counter.
-  FwdSplitPlan plan{units, 1};
+  FwdSplitPlan plan{units, 1, 0};
   if constexpr (kTailSplit<Traits, kIsBand>) {
     constexpr int64_t kItemBytes =
         int64_t(Traits::kNMmaThreads) * hopper_fwd_split_record_floats(kHeadDimV) * int64_t(sizeof(float));
@@ -162,6 +162,13 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   }
   kp.num_whole = plan.num_whole;
   kp.splits = plan.splits;
+  kp.blocks_per_part = plan.blocks_per_part;
+  if constexpr (kTailSplit<Traits, kIsBand>) {
+    if (plan.splits > 1) {
+      kernel = fwd_kernel<Traits, kIsBand, kHasSoftcap, kClusterM, true>;
+      if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
+    }
+  }
   TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
                                                 kp.num_whole, kp.splits};

@@ -11,7 +11,7 @@
 //
 // Tail split (no band mask, hopper_fwd_split_plan): the first num_whole indices are whole tiles; each
 // tile after them becomes `splits` consecutive indices, one per part of its KV blocks
-// (TileCoord::split_item), so the tail's parts go to as many CTAs.
+// (TileCoord::split), so the tail's parts go to as many CTAs.
 // Tile order (tile index -> (m_block, head, batch)):
 //   no band mask: the query blocks of one (head, batch) are adjacent, so the CTAs running at one time
 //     share the K/V of a few heads in L2.
@@ -35,9 +35,9 @@ namespace flashtile::hopper {
 
 struct TileCoord {
   int m_block, bidh, bidb;
-  // Tail split: index of this part among the tail's parts (tail unit split_item / splits, part
-  // split_item % splits); -1 for a whole tile.
-  int split_item = -1;
+  // Tail split: (u << 16) | i for part i of the tail's unit u (the kernel decodes it without a
+  // division); -1 for a whole tile.
+  int split = -1;
 };
 
 template <bool kIsBand, int kClusterM = 1>
@@ -60,15 +60,16 @@ struct TileScheduler {
 
   CUTE_DEVICE TileCoord tile(int idx) const {
     if constexpr (!kIsBand) {
-      int split_item = -1;
+      int split = -1;
       if (idx >= num_whole) {
-        split_item = idx - num_whole;
-        idx = num_whole + split_item / splits;
+        int const u = (idx - num_whole) / splits;
+        split = u << 16 | (idx - num_whole - u * splits);
+        idx = num_whole + u;
       }
       int const groups = num_m_blocks / kClusterM;
       int const m = idx % groups * kClusterM + cluster_rank();
       idx /= groups;
-      return {m, idx % num_heads, idx / num_heads, split_item};
+      return {m, idx % num_heads, idx / num_heads, split};
     } else {
       int m_rank, hb;
       lead_section_order(idx, num_m_blocks, num_heads * num_batch, lead_pairs, lead_group, heads_per_section, m_rank, hb);

@@ -130,8 +130,9 @@ static int failures = 0;
 
 int main() {
   // Whatever the problem, a plan runs every unit once: the whole ones, then the tail's parts in one
-  // round (at most one per CTA of the grid), at least one KV block per part, within the scratch's items,
-  // and only where a part (n / s + 1 blocks) costs at most 3 / 4 of a whole tile (n + 1).
+  // round (at most one per CTA of the grid), within the scratch's items, each part a run of
+  // blocks_per_part blocks (the last at least one), and only where a part costs at most 3 / 4 of a
+  // whole tile (n + 1 blocks' time); as many parts as fit, evened out to whole runs.
   for (int units = 1; units <= 600; units += 7) {
     for (int slots : {66, 114, 132}) {
       for (int n : {1, 2, 3, 4, 8, 16, 40}) {
@@ -143,13 +144,14 @@ int main() {
             CHECK(p.num_whole == units);
             continue;
           }
-          CHECK(tail == units % slots && tail > 0);
-          CHECK(tail * p.splits <= slots && tail * p.splits <= max_items);
-          CHECK(p.splits <= n && p.splits <= 16);
-          CHECK(4.0 * (double(n) / p.splits + 1) <= 3.0 * (n + 1));
-          // As many parts as fit: one more would leave one round, the blocks, the scratch or the cap.
-          int const s = p.splits + 1;
-          CHECK(tail * s > slots || tail * s > max_items || s > n || s > 16);
+          CHECK(tail == units % slots && tail > 0 && units / slots <= kSplitMaxWaves);
+          CHECK(tail * p.splits <= slots && tail * p.splits <= max_items && p.splits <= 16);
+          CHECK(p.blocks_per_part * p.splits >= n && p.blocks_per_part * (p.splits - 1) < n);
+          CHECK(4 * (p.blocks_per_part + 1) <= 3 * (n + 1));
+          int s0 = slots / tail < max_items / tail ? slots / tail : max_items / tail;
+          s0 = s0 < n ? s0 : n;
+          s0 = s0 < 16 ? s0 : 16;
+          CHECK(p.blocks_per_part == (n + s0 - 1) / s0);
         }
       }
     }
@@ -157,20 +159,17 @@ int main() {
   // Whole waves, or one KV block per tile: nothing to split.
   CHECK(hopper_fwd_split_plan(264, 132, 8, 1 << 20).splits == 1);
   CHECK(hopper_fwd_split_plan(133, 132, 1, 1 << 20).splits == 1);
-  // The benchmark's shapes on 132 SMs (66 2-CTA clusters): d 64 at 512 (2048 pairs, 4 KV blocks: 2
-  // left, 4 parts each), 2k (the tall tile: 2816 tiles, 16 blocks: 44 left, 3 parts) and 4k (1408
-  // pairs, 32 blocks: 22 left, 3 parts); d 128 at 512 (1024 pairs: 34 left) and at 2k (the tall tile:
-  // 1408 tiles, 88 left) would need two rounds and stay whole.
-  FwdSplitPlan const s512 = hopper_fwd_split_plan(2048, 66, 4, 132);
-  CHECK(s512.num_whole == 2046 && s512.splits == 4);
-  FwdSplitPlan const s2k = hopper_fwd_split_plan(2816, 132, 16, 264);
-  CHECK(s2k.num_whole == 2772 && s2k.splits == 3);
-  CHECK(hopper_fwd_split_plan(1408, 66, 32, 132).splits == 3);
-  CHECK(hopper_fwd_split_plan(1024, 66, 4, 132).splits == 1);
-  CHECK(hopper_fwd_split_plan(1408, 132, 26, 264).splits == 1);
-  // A grid below one wave: its tiles split up to the idle CTAs (9 tiles of 24 blocks: 14 parts each).
+  // The benchmark's grids (10-31 waves) run whole: d 64 at 512 (2048 pairs on 66 clusters, 2 left) and
+  // 2k (the tall tile: 2816 tiles on 132 CTAs, 44 left); two waves and a tail split.
+  CHECK(hopper_fwd_split_plan(2048, 66, 4, 132).splits == 1);
+  CHECK(hopper_fwd_split_plan(2816, 132, 16, 264).splits == 1);
+  FwdSplitPlan const two = hopper_fwd_split_plan(2 * 132 + 44, 132, 16, 264);
+  CHECK(two.num_whole == 264 && two.splits == 3 && two.blocks_per_part == 6);
+  CHECK(hopper_fwd_split_plan(3 * 132 + 44, 132, 16, 264).splits == 1);
+  // A grid below one wave: its tiles split up to the idle CTAs (9 tiles of 24 blocks on 132 CTAs: at
+  // most 14 parts, as 12 runs of 2 blocks).
   FwdSplitPlan const small = hopper_fwd_split_plan(9, 132, 24, 264);
-  CHECK(small.num_whole == 0 && small.splits == 14);
+  CHECK(small.num_whole == 0 && small.splits == 12 && small.blocks_per_part == 2);
   // The scratch: a record of d_v / 2 + 4 floats per consumer thread of one grid's worth of CTAs, for the
   // tallest tile of the buckets (192 rows at d <= 128).
   CHECK(hopper_fwd_split_record_floats(64) == 36 && hopper_fwd_split_record_floats(256) == 132);
