@@ -560,8 +560,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __stcg(mine + kChunks * 128, make_float4(l[0], l[1], l[2], l[3]));
     // One thread counts the part with acquire-release semantics at GPU scope, between two barriers of
     // the warpgroup: the barrier orders every thread's record stores before the count's release, and
-    // the count's acquire before every thread's loads of the other records (a fence per thread,
-    // MEMBAR.SC.GPU with an L1 invalidation, cost as much as a part's tile work).
+    // the count's acquire before every thread's loads of the other records (rather than a
+    // __threadfence per thread: MEMBAR.SC.GPU with an L1 invalidation, 256 of them per part).
     int const barrier = int(FwdNamedBarrier::kEpilogue1) + wg;
     cutlass::arch::NamedBarrier::sync(128, barrier);
     bool last = false;
@@ -628,13 +628,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     softmax.finalize(out, lse, params.scale_ln);
     if constexpr (kSplit) {
       if (c.split >= 0 && !combine_parts(c, tOrO, lse)) {
-        // Another part stores the tile: release what the store would have.
-        if constexpr (Traits::kOOverV) {
-          cutlass::arch::NamedBarrier::sync(256, fwd_vread_barrier(wg == 0 ? 1 : 0));
-          if (store_leader) { release_o(); }
-        } else {
-          release_q(q_state.index());
-        }
+        release_q(q_state.index());  // another part stores the tile (kTailSplit: O is staged over Q)
         return;
       }
     }
