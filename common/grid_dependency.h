@@ -1,5 +1,5 @@
 // Programmatic dependent launch (sm_90+) and the acquire/release counters that let a dependent kernel
-// start on the parts of its input that are already done.
+// start on the parts of its input that are already done (and the one that counts a split tile's parts).
 //
 // A kernel launched with launch_dependent() may begin once every CTA of the kernel before it on the
 // stream has called pdl_launch_dependents() (or exited); until then the two run in stream order. Its
@@ -40,6 +40,15 @@ CUTE_DEVICE void release_bulk_adds(int* counter) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 #endif
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// atom.add with acquire-release semantics at GPU scope; returns the old value. One thread of a group
+// that synchronized on a barrier before it (and does after it) publishes the group's writes and
+// acquires the ones published before its count (hopper/fwd_kernel.h's tail split).
+CUTE_DEVICE int atomic_add_acq_rel_gpu(int* ptr, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+  return old;
 }
 
 // Spins (one thread) until *counter reaches `target`.

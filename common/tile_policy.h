@@ -399,25 +399,20 @@ constexpr bool hopper_fwd_tall(int head_dim, int head_dim_v, int seqlen_q) {
 struct FwdSplitPlan {
   int num_whole;        // units before the tail, run whole
   int splits;           // parts per tail unit (1: no split)
-  int blocks_per_part;  // KV blocks of each part but the last (which may have fewer, at least one)
+  int blocks_per_part;  // KV blocks of each part but the last (which may have fewer, at least one); 0 unsplit
 };
 
-// Build-time cap of the parts per tail tile (measurement; 1 disables the split); -1 = policy (16).
-#ifndef FLASHTILE_FWD_MAX_SPLITS
-#define FLASHTILE_FWD_MAX_SPLITS -1
-#endif
-
 constexpr int kSplitMaxWaves = 2;
+constexpr int kSplitMaxParts = 16;
 
 constexpr FwdSplitPlan hopper_fwd_split_plan(int units, int slots, int n_blocks, int max_items) {
-  int const max_splits = FLASHTILE_FWD_MAX_SPLITS >= 1 ? FLASHTILE_FWD_MAX_SPLITS : 16;
-  FwdSplitPlan plan{units, 1, n_blocks};
+  FwdSplitPlan plan{units, 1, 0};
   if (slots <= 0 || units % slots == 0 || units / slots > kSplitMaxWaves) { return plan; }
   int const tail = units % slots;
   int s = slots / tail;
   s = s < max_items / tail ? s : max_items / tail;
   s = s < n_blocks ? s : n_blocks;
-  s = s < max_splits ? s : max_splits;
+  s = s < kSplitMaxParts ? s : kSplitMaxParts;
   if (s < 2) { return plan; }
   int const per_part = (n_blocks + s - 1) / s;
   s = (n_blocks + per_part - 1) / per_part;

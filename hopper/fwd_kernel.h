@@ -46,6 +46,7 @@
 #include "common/empty_tile.h"
 #include "common/epilogue.h"
 #include "common/fragment.h"
+#include "common/grid_dependency.h"
 #include "common/fwd_params.h"
 #include "common/mask.h"
 #include "common/seq_info.h"
@@ -98,15 +99,6 @@ struct FwdKernelParams {
   ShapeQKV shape_o;
   TmaO tma_o;
 };
-
-// atom.add with acquire-release semantics at GPU scope; returns the old value.
-CUTE_DEVICE int atomic_add_acq_rel(int* ptr, int value) {
-  int old = 0;
-#if defined(__CUDA_ARCH__)
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
-#endif
-  return old;
-}
 
 // Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf).
 struct TileWork {
@@ -543,6 +535,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kCols = decltype(size<1>(out))::value;
     constexpr int kChunks = kRowsPerThread * kCols / 4;  // float4 of O per thread, then one of LSE
     static_assert(kCols % 4 == 0 && kRowsPerThread <= 4, "a record row is whole float4");
+    static_assert(4 * (kChunks + 1) == hopper_fwd_split_record_floats(Traits::kHeadDimV),
+                  "the launcher sizes records by hopper_fwd_split_record_floats");
     int const splits = kp.splits;
     int const part = c.split & 0xffff;
     int const slot = (c.split >> 16) * kClusterM + sched.cluster_rank();
@@ -567,7 +561,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bool last = false;
     if (wg_thread == 0) {
       int* const counter = p.tile_counter + 1 + slot * kNWG + wg;
-      last = atomic_add_acq_rel(counter, 1) == splits - 1;
+      last = atomic_add_acq_rel_gpu(counter, 1) == splits - 1;
       if (last) { atomicExch(counter, 0); }  // zero again for the next launch
     }
     if (!named_barrier_or(128, barrier, last)) { return false; }

@@ -141,16 +141,16 @@ int main() {
           int const tail = units - p.num_whole;
           CHECK(p.splits >= 1 && p.num_whole >= 0 && tail >= 0);
           if (p.splits == 1) {
-            CHECK(p.num_whole == units);
+            CHECK(p.num_whole == units && p.blocks_per_part == 0);
             continue;
           }
           CHECK(tail == units % slots && tail > 0 && units / slots <= kSplitMaxWaves);
-          CHECK(tail * p.splits <= slots && tail * p.splits <= max_items && p.splits <= 16);
+          CHECK(tail * p.splits <= slots && tail * p.splits <= max_items && p.splits <= kSplitMaxParts);
           CHECK(p.blocks_per_part * p.splits >= n && p.blocks_per_part * (p.splits - 1) < n);
           CHECK(4 * (p.blocks_per_part + 1) <= 3 * (n + 1));
           int s0 = slots / tail < max_items / tail ? slots / tail : max_items / tail;
           s0 = s0 < n ? s0 : n;
-          s0 = s0 < 16 ? s0 : 16;
+          s0 = s0 < kSplitMaxParts ? s0 : kSplitMaxParts;
           CHECK(p.blocks_per_part == (n + s0 - 1) / s0);
         }
       }
