@@ -17,9 +17,9 @@
 // warp tiles, fewer ldmatrix bytes); the S warps pass P to the dP warps through shared memory and a
 // named barrier. dK/dV split the same way (BwdTile::dkv_split): the S warps run dV as soon as their
 // own P is stored, while the dP warps form dS and then run dK.
-// Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 is issued
-// right after step s's opening barrier, into the buffers step s - 1 used, so it has a whole step to
-// land; one cp.async group per step.
+// Q/dO are double-buffered where shared memory allows (tile policy): the load of step s + 1 goes into
+// the buffers step s - 1 used, issued right after step s's opening barrier or inside its dQ GEMM
+// (BwdTile::qdo_in_dq_arch); one cp.async group per step.
 // Synchronization: after each wait for Q/dO (which is also where every thread is done with the
 // previous step); after P/dS are written (dkv_split: each half after its own, on named barriers 2 and
 // 3); single-buffered, also after the dK/dV GEMMs, before the next Q/dO load overwrites their operands
@@ -69,9 +69,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr bool kDqFirst = !Traits::kDkvSplit && (FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0
                                                         ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
                                                         : Traits::kTile.dq_first_unmasked && !kIsBand);
-  // Single-stage tiles: the next step's Q/dO load inside the dQ GEMM (BwdTile::qdo_in_dq_arch).
+  // The next step's Q/dO load inside the dQ GEMM (BwdTile::qdo_in_dq_arch). A single-stage tile needs
+  // dQ last: the dK GEMM after it still reads this step's Q.
 #if defined(__CUDA_ARCH__)
-  constexpr bool kQdoInDq = Traits::kQStages == 1 && !kDqFirst && Traits::kBlockN / 16 > 1 &&
+  constexpr bool kQdoInDq = (Traits::kQStages > 1 || !kDqFirst) && Traits::kBlockN / 16 > 1 &&
                             (FLASHTILE_AMPERE_BWD_QDO_IN_DQ >= 0 ? FLASHTILE_AMPERE_BWD_QDO_IN_DQ == 1
                                                                  : __CUDA_ARCH__ >= Traits::kTile.qdo_in_dq_arch);
 #else
@@ -399,10 +400,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     float const* const stage_lse = stage_d + kBlockM;
     cp_async_wait<0>();  // this step's group, the only one in flight
     __syncthreads();  // this step's Q/dO/D/LSE (and K/V) visible; every thread is done with the previous step
-    if constexpr (kQStages > 1) {
+    // The next step's Q/dO: into the other stage now, or later inside the dQ GEMM (load_next, kQdoInDq;
+    // single-stage tiles once every thread is done with this step's Q and dO).
+    if constexpr (kQStages > 1 && !kQdoInDq) {
       if (step + 1 < num_steps) { load_q_do(next(), (step + 1) % kQStages); }
       cp_async_fence();
     }
+    auto load_next = [&] {
+      if (step + 1 < num_steps) { load_q_do(next(), (step + 1) % kQStages); }
+      cp_async_fence();
+    };
 
     if constexpr (Traits::kSdpSplit) {
       sdp_split_step(m_block, q_off, do_off, stage_d, stage_lse);
@@ -522,16 +529,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
       auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
       gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      if constexpr (kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }
+      if constexpr (kDqFirst && kQdoInDq) {
+        dq_step(Int<1>{}, load_next);  // after the dQ GEMM's second k-slice
+      } else if constexpr (kDqFirst) {
+        dq_step(Int<-1>{}, NoHook{});
+      }
       gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
       if constexpr (kQStages == 1) { __syncthreads(); }  // every thread is done with this step's Q and dO
     }
-    auto load_next = [&] {
-      if (step + 1 < num_steps) { load_q_do(next(), 0); }
-      cp_async_fence();
-    };
     if constexpr (kQdoInDq) {
-      dq_step(Int<1>{}, load_next);  // after the dQ GEMM's second k-slice
+      if constexpr (!kDqFirst) { dq_step(Int<1>{}, load_next); }  // after the dQ GEMM's second k-slice
     } else {
       if constexpr (kQStages == 1) { load_next(); }
       if constexpr (!kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }

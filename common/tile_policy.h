@@ -169,14 +169,16 @@ struct BwdTile {
   // (+4% with dQ first there), +1-1.5% causal; d = 128 +3.5% without a mask (with dQ last; -0.7% with dQ
   // first), +2-2.5% causal. The sm_86 tiles and d = 96 / 192 are not measured and keep it off.
   bool p_late = false;
-  // Single-stage (q_stages 1) tiles: from this __CUDA_ARCH__ on, the next step's Q/dO load is issued
-  // inside the dQ GEMM, after its second k-slice, rather than ahead of it. Ahead, ptxas keeps the
-  // GEMM's ldmatrix reads behind the load's cp.async writes (it cannot tell them apart) and its ~50
-  // instructions of address arithmetic; inside, they issue under the first slices' MMAs. H200, d = 256
-  // split tile (benchmarks/NOTES.md session 45): +2% without a mask, +3-3.5% causal at 4k-16k; after
-  // the third or fourth slice less (+1-1.5%, +0-0.5%). Its sm_90 code spills 20-28 B (8 B before); its
-  // sm_80 code would spill 8 B (0 B before, not measured), so the d = 256 tile (dkv_split) takes it
-  // from sm_90 on.
+  // From this __CUDA_ARCH__ on, the next step's Q/dO load is issued inside the dQ GEMM, after its
+  // second k-slice, rather than ahead of that GEMM (single-stage tiles) or of the step's S GEMM
+  // (two-stage tiles). Ahead, ptxas keeps the GEMM's ldmatrix reads behind the load's cp.async writes
+  // (it cannot tell them apart) and its ~50 instructions of address arithmetic; inside, they issue
+  // under the first slices' MMAs. H200 (benchmarks/NOTES.md sessions 45, 47): d = 256 split tile +2%
+  // without a mask, +3-3.5% causal at 4k-16k (after the third or fourth slice less); its sm_90 code
+  // spills 20-28 B (8 B before), its sm_80 code would spill 8 B (0 B before, not measured), so that
+  // tile takes it from sm_90 on. d = 64 (two stages, 0 B of spills): +1.3-1.6% without a mask at
+  // 1k-16k, causal level; d = 128: level without a mask, -1-1.3% causal (not taken). sm_80 code of the
+  // two-stage tiles is not measured and keeps the load ahead.
   int qdo_in_dq_arch = kArchNever;
 };
 
@@ -198,8 +200,8 @@ struct BwdTile {
 #ifndef FLASHTILE_AMPERE_BWD_XOR
 #define FLASHTILE_AMPERE_BWD_XOR -1
 #endif
-// Build-time override of BwdTile::qdo_in_dq_arch: 0 never, 1 on every arch for every single-stage
-// tile, -1 policy.
+// Build-time override of BwdTile::qdo_in_dq_arch: 0 never, 1 on every arch for every tile whose dQ GEMM
+// can take the load (single-stage tiles: with dQ last), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_QDO_IN_DQ
 #define FLASHTILE_AMPERE_BWD_QDO_IN_DQ -1
 #endif
@@ -237,7 +239,7 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 // equal_dv: d = d_v (dkv_split needs K's and V's tiles alike).
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false, bool equal_dv = true) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
-  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900, true, false, false, true}
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900, true, false, false, true, 900}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, false, false, false, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}

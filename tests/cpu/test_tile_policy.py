@@ -96,19 +96,21 @@ int main() {
     }
   }
   CHECK(late == 2);
-  // The Q/dO load inside the dQ GEMM only on single-stage tiles (a second stage loads a whole step
-  // ahead), after a k-slice the GEMM has, and on no sm_8x code (there it spilled).
+  // The Q/dO load inside the dQ GEMM after a k-slice the GEMM has, and on no sm_8x code (not measured
+  // there; the single-stage tile's spilled). Taken where measured: d = 256 (one stage) and d = 64 (two).
   for (int d : {64, 96, 128, 192, 256}) {
     for (int large = 0; large < 2; ++large) {
       for (int small = 0; small < 2; ++small) {
         BwdTile const t = ampere_bwd_tile(d, large == 1, small == 1);
         if (t.qdo_in_dq_arch != kArchNever) {
-          CHECK(t.q_stages == 1 && t.block_n / 16 > 1 && t.qdo_in_dq_arch >= 900);
+          CHECK(t.block_n / 16 > 1 && t.qdo_in_dq_arch >= 900);
         }
       }
     }
   }
   CHECK(ampere_bwd_tile(256).qdo_in_dq_arch == 900);
+  CHECK(ampere_bwd_tile(64).qdo_in_dq_arch == 900 && ampere_bwd_tile(64).q_stages == 2);
+  CHECK(ampere_bwd_tile(128).qdo_in_dq_arch == kArchNever);
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
