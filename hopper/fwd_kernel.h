@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDimV = Traits::kHeadDimV;
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
-  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
+  TileScheduler<kIsBand, kClusterM, kSplit> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
                                                 kp.num_whole, kp.splits};
 
@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto release_q = [&](int stage) {
     ss.pipeline_q.empty_barrier_[kQParts * stage + (kQParts > 1 ? warp_group_idx - 1 : 0)].arrive();
   };
-  TileHandoff const handoff{ss.handoff};
+  using Handoff = TileHandoff<kSplit>;
+  Handoff const handoff{ss.handoff, ss.handoff_split};
   if (threadIdx.x == 0) {
     handoff.init(Traits::kNMmaThreads);
     // One arrival per consumer warpgroup of every CTA: a multicast V load writes all of them.
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         load_v(n_block);
       }
     };
-    auto handoff_state = TileHandoff::producer_start_state();
+    auto handoff_state = Handoff::producer_start_state();
     int const leader_lane = __ffs(__ballot_sync(0xffffffff, lane_predicate)) - 1;
     int const num_tiles = sched.num_tiles();
     TileCoord coord = sched.tile(sched.first());
@@ -426,7 +427,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
       auto publish = [&] {
         idx = __shfl_sync(0xffffffff, next, leader_lane);
-        coord = idx < num_tiles ? sched.tile(idx) : TileHandoff::kDone;
+        coord = idx < num_tiles ? sched.tile(idx) : Handoff::kDone;
         handoff.producer_publish(handoff_state, coord, lane_predicate);
       };
       if (w.active) {
@@ -472,7 +473,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   PipelineState read_state;
   typename Traits::PipelineStateQ q_read_state;
-  TileHandoff::State handoff_state;
+  typename Handoff::State handoff_state;
   PingPong<Traits> const turn{warp_group_idx};
 
   // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.

@@ -169,7 +169,8 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
       if (LaunchStatus s = opt_in_smem(reinterpret_cast<void const*>(kernel), p.device, kSmem); !s.ok()) { return s; }
     }
   }
-  TileScheduler<kIsBand, kClusterM> const sched{kp.num_m_blocks, sched_heads, p.batch,
+  // The split scheduler's count: the plan's tiles (every unit whole where it does not split).
+  TileScheduler<kIsBand, kClusterM, true> const sched{kp.num_m_blocks, sched_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
                                                 kp.num_whole, kp.splits};
   if (!p.tile_counter_zeroed) {

@@ -147,11 +147,12 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> smem_v;
-    alignas(16) TileHandoff::SharedStorage handoff;
+    alignas(16) TileHandoffStorage handoff;
     alignas(8) cutlass::arch::ClusterBarrier o_free;  // kOOverV: O has left the V stages
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_k;
     alignas(16) typename MainloopPipeline::SharedStorage pipeline_v;
+    TileSplitSlots handoff_split;  // last: see TileHandoffStorage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemLimitBytes);

@@ -40,7 +40,8 @@ struct TileCoord {
   int split = -1;
 };
 
-template <bool kIsBand, int kClusterM = 1>
+// kSplit: the tail-split kernel instance's scheduler (num_whole, splits); the others run every unit whole.
+template <bool kIsBand, int kClusterM = 1, bool kSplit = false>
 struct TileScheduler {
   static_assert(kClusterM == 1 || !kIsBand, "band-masked tiles differ in length: no static cluster schedule");
   int num_m_blocks, num_heads, num_batch;  // clusters: num_m_blocks is a multiple of kClusterM
@@ -48,11 +49,14 @@ struct TileScheduler {
   // sections of heads_per_section, each group or section longest-first.
   int heads_per_section, lead_pairs, lead_group;
   int* tile_counter;  // zero at the launch; counts tiles handed out past the first wave, zero again at the end
-  // Tail split (no band mask): units before the tail, and parts per tail unit (1: no split).
+  // Tail split (no band mask): units before the tail, and parts per tail unit (1: no split); read by
+  // kSplit instances only.
   int num_whole, splits;
 
   CUTE_HOST_DEVICE int num_units() const { return num_m_blocks / kClusterM * num_heads * num_batch; }
-  CUTE_HOST_DEVICE int num_tiles() const { return num_whole + (num_units() - num_whole) * splits; }
+  CUTE_HOST_DEVICE int num_tiles() const {
+    return kSplit ? num_whole + (num_units() - num_whole) * splits : num_units();
+  }
 
   // This CTA's rank in its cluster (clusters run along x) and its first tile.
   CUTE_DEVICE static int cluster_rank() { return int(blockIdx.x) % kClusterM; }
@@ -61,7 +65,7 @@ struct TileScheduler {
   CUTE_DEVICE TileCoord tile(int idx) const {
     if constexpr (!kIsBand) {
       int split = -1;
-      if (idx >= num_whole) {
+      if (kSplit && idx >= num_whole) {
         int const u = (idx - num_whole) / splits;
         split = u << 16 | (idx - num_whole - u * splits);
         idx = num_whole + u;
@@ -96,18 +100,29 @@ struct TileScheduler {
 // consumer warpgroup takes the next tile when it reaches it, without meeting the other one: under
 // ping-pong the two run half a turn apart, and a tile boundary must not re-align them.
 //   producer (one elected lane): acquire slot -> write -> commit   consumers: wait -> read -> release
-// m_block < 0 ends the walk.
+// m_block < 0 ends the walk. The slots hold (m_block, bidh, bidb); TileCoord::split, which only kSplit
+// instances hand over, has slots of its own at the end of the kernel's shared storage
+// (TileSplitSlots): with 16-byte coordinate slots every barrier behind them moved by 16 bytes, and
+// ptxas scheduled the non-split d 64 kernel's KV loop differently: 2-2.5% slower at 512-1k
+// (benchmarks/NOTES.md session 47).
+struct TileHandoffStorage {
+  cutlass::arch::ClusterBarrier::ValueType full[2], empty[2];
+  int slot[2][3];
+};
+struct TileSplitSlots {
+  int split[2];
+};
+
+template <bool kSplit = false>
 struct TileHandoff {
   using Barrier = cutlass::arch::ClusterBarrier;
   using State = cutlass::PipelineState<2>;
-  struct SharedStorage {
-    typename Barrier::ValueType full[2], empty[2];
-    TileCoord slot[2];
-  };
+  using SharedStorage = TileHandoffStorage;
 
   static constexpr TileCoord kDone{-1, 0, 0, -1};
 
   SharedStorage& storage;
+  TileSplitSlots& split_slots;  // read and written by kSplit instances only
 
   // One thread, before the CTA-wide barrier that follows the pipelines' initialization.
   CUTE_DEVICE void init(int num_consumer_threads) const {
@@ -123,7 +138,9 @@ struct TileHandoff {
   CUTE_DEVICE void producer_publish(State& state, TileCoord next, bool lane_leader) const {
     Barrier::wait(&storage.empty[state.index()], state.phase());
     if (lane_leader) {
-      storage.slot[state.index()] = next;
+      int* const slot = storage.slot[state.index()];
+      slot[0] = next.m_block, slot[1] = next.bidh, slot[2] = next.bidb;
+      if constexpr (kSplit) { split_slots.split[state.index()] = next.split; }
       Barrier::arrive(&storage.full[state.index()]);  // release semantics cover the slot write
     }
     ++state;
@@ -131,7 +148,8 @@ struct TileHandoff {
 
   CUTE_DEVICE TileCoord consumer_receive(State& state) const {
     Barrier::wait(&storage.full[state.index()], state.phase());
-    TileCoord const next = storage.slot[state.index()];
+    int const* const slot = storage.slot[state.index()];
+    TileCoord const next{slot[0], slot[1], slot[2], kSplit ? split_slots.split[state.index()] : -1};
     Barrier::arrive(&storage.empty[state.index()]);
     ++state;
     return next;
