@@ -101,10 +101,11 @@ struct TileScheduler {
 // ping-pong the two run half a turn apart, and a tile boundary must not re-align them.
 //   producer (one elected lane): acquire slot -> write -> commit   consumers: wait -> read -> release
 // m_block < 0 ends the walk. The slots hold (m_block, bidh, bidb); TileCoord::split, which only kSplit
-// instances hand over, has slots of its own at the end of the kernel's shared storage
-// (TileSplitSlots): with 16-byte coordinate slots every barrier behind them moved by 16 bytes, and
-// ptxas scheduled the non-split d 64 kernel's KV loop differently: 2-2.5% slower at 512-1k
-// (benchmarks/NOTES.md session 47).
+// instances hand over, has slots of its own (TileSplitSlots, placed last in the kernel's shared
+// storage so that no other member moves). With 16-byte TileCoord slots the consumers read each one as
+// a vector with the slot index in vector registers rather than uniform ones, and ptxas scheduled the
+// non-split d 64 kernel's KV loop differently (same instructions): 2-2.5% more kernel time at 512-1k
+// (benchmarks/NOTES.md session 47; shifting the shared storage alone by 16-64 bytes changes nothing).
 struct TileHandoffStorage {
   cutlass::arch::ClusterBarrier::ValueType full[2], empty[2];
   int slot[2][3];
