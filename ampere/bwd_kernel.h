@@ -9,8 +9,8 @@
 // the fp32 dq accumulator with atomics (8-byte vector reductions on sm_90; in n_block order per
 // query block in deterministic mode), stored in common/dq_accum_perm.h's order so that each warp-wide
 // reduction covers 256 contiguous bytes rather than 32 bytes in each of 8 rows. The dQ GEMM and its
-// reductions come after dK, or between dV and dK (BwdTile::dq_first_unmasked), so that the
-// reductions drain while dK computes. D of each step's rows is staged in shared memory with its Q/dO.
+// reductions come after dK, or between dV and dK (BwdTile::dq_first_unmasked / dq_first_band_arch), so
+// that the reductions drain while dK computes. D of each step's rows is staged in shared memory with its Q/dO.
 // Owning all query heads of a group makes GQA/MQA dK/dV plain register sums: no atomics and no
 // expanded K/V.
 // d = 256 (BwdTile::sdp_split): S and dP each run on half of the warps over the whole tile (larger
@@ -66,11 +66,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kHeadDimV = Traits::kHeadDimV;
+#if defined(__CUDA_ARCH__)
+  constexpr bool kDqFirstBand = __CUDA_ARCH__ >= Traits::kTile.dq_first_band_arch;
+#else
+  constexpr bool kDqFirstBand = false;
+#endif
   constexpr bool kDqFirst = !Traits::kDkvSplit && (FLASHTILE_AMPERE_BWD_DQ_FIRST >= 0
                                                         ? FLASHTILE_AMPERE_BWD_DQ_FIRST == 1
-                                                        : Traits::kTile.dq_first_unmasked && !kIsBand);
-  // The next step's Q/dO load inside the dQ GEMM (BwdTile::qdo_in_dq_arch). A single-stage tile needs
-  // dQ last: the dK GEMM after it still reads this step's Q.
+                                                        : kIsBand ? kDqFirstBand : Traits::kTile.dq_first_unmasked);
+  // The next step's Q/dO load inside the dQ GEMM (BwdTile::qdo_in_dq_arch), after k-slice kQdoSlice. A
+  // single-stage tile needs dQ last: the dK GEMM after it still reads this step's Q.
 #if defined(__CUDA_ARCH__)
   constexpr bool kQdoInDq = (Traits::kQStages > 1 || !kDqFirst) && Traits::kBlockN / 16 > 1 &&
                             (FLASHTILE_AMPERE_BWD_QDO_IN_DQ >= 0 ? FLASHTILE_AMPERE_BWD_QDO_IN_DQ == 1
@@ -78,6 +83,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
 #else
   constexpr bool kQdoInDq = false;
 #endif
+  constexpr int kQdoSlice = Traits::kTile.qdo_slice[kIsBand ? 1 : 0];
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 
@@ -530,7 +536,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
       gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
       if constexpr (kDqFirst && kQdoInDq) {
-        dq_step(Int<1>{}, load_next);  // after the dQ GEMM's second k-slice
+        dq_step(Int<kQdoSlice>{}, load_next);
       } else if constexpr (kDqFirst) {
         dq_step(Int<-1>{}, NoHook{});
       }
@@ -538,7 +544,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       if constexpr (kQStages == 1) { __syncthreads(); }  // every thread is done with this step's Q and dO
     }
     if constexpr (kQdoInDq) {
-      if constexpr (!kDqFirst) { dq_step(Int<1>{}, load_next); }  // after the dQ GEMM's second k-slice
+      if constexpr (!kDqFirst) { dq_step(Int<kQdoSlice>{}, load_next); }
     } else {
       if constexpr (kQStages == 1) { load_next(); }
       if constexpr (!kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }

@@ -180,9 +180,19 @@ struct BwdTile {
   // 1k-16k, causal level; d = 128: level without a mask, -1-1.3% causal (not taken). sm_80 code of the
   // two-stage tiles is not measured and keeps the load ahead.
   int qdo_in_dq_arch = kArchNever;
+  // From this __CUDA_ARCH__ on, with a band mask, dQ between dV and dK as dq_first_unmasked without one.
+  // H200, d = 64 with the load inside dQ (benchmarks/NOTES.md session 47): +1.3-2.4% causal at 1k-16k
+  // over dQ last (on an H100 with P stored early and the load at the step's start it had lost 4%);
+  // sm_80 code, whose load stays at the step's start, keeps dQ last.
+  int dq_first_band_arch = kArchNever;
+  // The k-slice of the dQ GEMM after which qdo_in_dq issues the load, without / with a band mask. H200,
+  // d = 64 (session 47): without a mask slice 0 +1.5-2% over slice 1 (slice 3: -1%); with the band mask
+  // and dQ first, slice 0 lost 1.5-2.5% against slice 1. d = 256 (session 45): slice 1 over 2 and 3.
+  int qdo_slice[2] = {1, 1};
 };
 
-// Build-time override of BwdTile::dq_first_unmasked: 0 never, 1 always (with or without a mask), -1 policy.
+// Build-time override of BwdTile::dq_first_unmasked / dq_first_band_arch: 0 never, 1 always (with or
+// without a mask, every arch), -1 policy.
 #ifndef FLASHTILE_AMPERE_BWD_DQ_FIRST
 #define FLASHTILE_AMPERE_BWD_DQ_FIRST -1
 #endif
@@ -239,7 +249,7 @@ constexpr BwdTile ampere_bwd_tile_small(int head_dim) {
 // equal_dv: d = d_v (dkv_split needs K's and V's tiles alike).
 constexpr BwdTile ampere_bwd_tile(int head_dim, bool large_smem = false, bool small_smem = false, bool equal_dv = true) {
   if (small_smem) { return ampere_bwd_tile_small(head_dim); }
-  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900, true, false, false, true, 900}
+  return head_dim <= 64    ? BwdTile{128, 128, 8, 2, 4, 4, 2, 800, 900, true, false, false, true, 900, 900, {0, 1}}
          : head_dim <= 96  ? BwdTile{64, 128, 8, 2, 4, 4, 2, 800, 900}
          : head_dim <= 128 ? BwdTile{64, 128, 8, 2, 4, 2, 2, 800, 900, false, false, false, true}
          : head_dim <= 192 ? BwdTile{64, 64, 8, 4, 2, 2, 2, 0, 0}

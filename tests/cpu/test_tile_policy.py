@@ -110,6 +110,18 @@ int main() {
   }
   CHECK(ampere_bwd_tile(256).qdo_in_dq_arch == 900);
   CHECK(ampere_bwd_tile(64).qdo_in_dq_arch == 900 && ampere_bwd_tile(64).q_stages == 2);
+  // d = 64 on sm_90 code: dQ between dV and dK with either mask, the load after slice 0 / 1; the load's
+  // slice is one the dQ GEMM has (block_n / 16 k-slices) on every tile.
+  CHECK(ampere_bwd_tile(64).dq_first_unmasked && ampere_bwd_tile(64).dq_first_band_arch == 900);
+  CHECK(ampere_bwd_tile(64).qdo_slice[0] == 0 && ampere_bwd_tile(64).qdo_slice[1] == 1);
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int small = 0; small < 2; ++small) {
+      BwdTile const t = ampere_bwd_tile(d, false, small == 1);
+      CHECK(t.qdo_slice[0] >= 0 && t.qdo_slice[1] >= 0);
+      CHECK(t.qdo_slice[0] < t.block_n / 16 && t.qdo_slice[1] < t.block_n / 16);
+      CHECK(t.dq_first_band_arch >= 900);  // not measured in sm_8x code
+    }
+  }
   CHECK(ampere_bwd_tile(128).qdo_in_dq_arch == kArchNever);
   std::printf("%d failures\n", failures);
   return failures != 0;
