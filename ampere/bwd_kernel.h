@@ -23,7 +23,7 @@
 // Synchronization: after each wait for Q/dO (which is also where every thread is done with the
 // previous step); after P/dS are written (dkv_split: each half after its own, on named barriers 2 and
 // 3); single-buffered, also after the dK/dV GEMMs, before the next Q/dO load overwrites their operands
-// (issued ahead of the dQ GEMM, or inside it: BwdTile::qdo_in_dq_arch).
+// (issued then, or inside the dQ GEMM where that runs last: BwdTile::qdo_in_dq_arch).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
   constexpr bool kQdoInDq = false;
 #endif
   constexpr int kQdoSlice = Traits::kTile.qdo_slice[kIsBand ? 1 : 0];
+  static_assert(!kQdoInDq || kQdoSlice >= 0, "a load inside the dQ GEMM needs a k-slice to follow");
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
 

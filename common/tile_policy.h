@@ -169,8 +169,8 @@ struct BwdTile {
   // (+4% with dQ first there), +1-1.5% causal; d = 128 +3.5% without a mask (with dQ last; -0.7% with dQ
   // first), +2-2.5% causal. The sm_86 tiles and d = 96 / 192 are not measured and keep it off.
   bool p_late = false;
-  // From this __CUDA_ARCH__ on, the next step's Q/dO load is issued inside the dQ GEMM, after its
-  // second k-slice, rather than ahead of that GEMM (single-stage tiles) or of the step's S GEMM
+  // From this __CUDA_ARCH__ on, the next step's Q/dO load is issued inside the dQ GEMM, after k-slice
+  // qdo_slice (below), rather than ahead of that GEMM (single-stage tiles) or of the step's S GEMM
   // (two-stage tiles). Ahead, ptxas keeps the GEMM's ldmatrix reads behind the load's cp.async writes
   // (it cannot tell them apart) and its ~50 instructions of address arithmetic; inside, they issue
   // under the first slices' MMAs. H200 (benchmarks/NOTES.md sessions 45, 47): d = 256 split tile +2%

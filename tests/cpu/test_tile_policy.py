@@ -11,7 +11,7 @@ ampere_fwd_tile_kind is asked for each device's limits:
     assume (32 rows per warp pair, warps_n 2 only on split tiles);
   - ampere_fwd_load_after places each step's K / V load within both GEMMs' k-slices;
   - the backward stores P after its dP GEMM only on unsplit tiles, where measured, and loads Q/dO
-    inside its dQ GEMM only on single-stage tiles and sm_90 code.
+    inside its dQ GEMM only in sm_90 code, after a k-slice that GEMM has.
 """
 
 PROGRAM = r"""
@@ -115,8 +115,8 @@ int main() {
   CHECK(ampere_bwd_tile(64).dq_first_unmasked && ampere_bwd_tile(64).dq_first_band_arch == 900);
   CHECK(ampere_bwd_tile(64).qdo_slice[0] == 0 && ampere_bwd_tile(64).qdo_slice[1] == 1);
   for (int d : {64, 96, 128, 192, 256}) {
-    for (int small = 0; small < 2; ++small) {
-      BwdTile const t = ampere_bwd_tile(d, false, small == 1);
+    for (int variant = 0; variant < 8; ++variant) {
+      BwdTile const t = ampere_bwd_tile(d, variant & 1, variant & 2, !(variant & 4));
       CHECK(t.qdo_slice[0] >= 0 && t.qdo_slice[1] >= 0);
       CHECK(t.qdo_slice[0] < t.block_n / 16 && t.qdo_slice[1] < t.block_n / 16);
       CHECK(t.dq_first_band_arch >= 900);  // not measured in sm_8x code
