@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     cp_async_wait<0>();  // this step's group, the only one in flight
     __syncthreads();  // this step's Q/dO/D/LSE (and K/V) visible; every thread is done with the previous step
     // The next step's Q/dO: into the other stage now, or later inside the dQ GEMM (load_next, kQdoInDq;
-    // single-stage tiles once every thread is done with this step's Q and dO).
+    // single-stage tiles once every thread is done with this step's Q and dO). Written out here rather
+    // than as a call of load_next: that form reordered the measured d 64 / d 128 kernels' ldmatrix.
     if constexpr (kQStages > 1 && !kQdoInDq) {
       if (step + 1 < num_steps) { load_q_do(next(), (step + 1) % kQStages); }
       cp_async_fence();
@@ -525,6 +526,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
       red_add_fragment_perm<kBlockM, kHeadDim>(acc_dq, mma_dq, gdQacc);
       if (b.deterministic) { pass_dq_turn(semaphore); }
     };
+    // dQ, with the next step's Q/dO load inside its GEMM where kQdoInDq puts it.
+    auto run_dq = [&] {
+      if constexpr (kQdoInDq) {
+        dq_step(Int<kQdoSlice>{}, load_next);
+      } else {
+        dq_step(Int<-1>{}, NoHook{});
+      }
+    };
 
     if constexpr (Traits::kDkvSplit) {
       // dV = P^T dO on the S threads, dK = dS^T Q on the dP threads: one call, the operands offset from
@@ -536,20 +545,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(__grid_consta
     } else {
       auto const [step_pt, step_dst, step_dot, step_qt] = step_dkv_sources();
       gemm_ss(acc_dv, tdVrPt, tdVrdOt, step_pt, at_offset(step_dot, do_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      if constexpr (kDqFirst && kQdoInDq) {
-        dq_step(Int<kQdoSlice>{}, load_next);
-      } else if constexpr (kDqFirst) {
-        dq_step(Int<-1>{}, NoHook{});
-      }
+      if constexpr (kDqFirst) { run_dq(); }
       gemm_ss(acc_dk, tdKrdSt, tdKrQt, step_dst, at_offset(step_qt, q_off), mma_dkv, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
       if constexpr (kQStages == 1) { __syncthreads(); }  // every thread is done with this step's Q and dO
     }
-    if constexpr (kQdoInDq) {
-      if constexpr (!kDqFirst) { dq_step(Int<kQdoSlice>{}, load_next); }
-    } else {
-      if constexpr (kQStages == 1) { load_next(); }
-      if constexpr (!kDqFirst) { dq_step(Int<-1>{}, NoHook{}); }
-    }
+    if constexpr (kQStages == 1 && !kQdoInDq) { load_next(); }
+    if constexpr (!kDqFirst) { run_dq(); }
     st.advance(m_block_min, m_block_max);
   }
 
