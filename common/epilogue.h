@@ -11,7 +11,8 @@
 namespace flashtile {
 
 // tOcO: (rows, cols) coordinates of the thread's accumulator rows; the thread holding column 0 of a
-// row writes its LSE. Rows past seqused_q are empty (-inf); rows past the allocation are skipped.
+// row writes its LSE. Rows past seqused_q are empty (-inf); rows past the allocation, or before its
+// first row (q0 < 0: the Hopper forward's shifted band tiles), are skipped.
 // GQA-packed tile (Hopper forward, pack > 1): row r of the tile is query q0 + r / pack of head
 // h0 + r % pack (lse_ptr: the batch element's LSE of head 0); rows at or past rows_used (pack *
 // queries per tile) are padding.
@@ -23,7 +24,7 @@ CUTE_DEVICE void write_lse_packed(float* lse_ptr, int64_t head_stride, TensorLse
   for (int mi = 0; mi < cute::size(lse); ++mi) {
     int const r = cute::get<0>(tOcO(mi, 0));
     int const q = q0 + r / pack;
-    if (r < rows_used && q < seq.seqlen_q_alloc) {
+    if (r < rows_used && unsigned(q) < unsigned(seq.seqlen_q_alloc)) {
       lse_ptr[(h0 + r % pack) * head_stride + q] = q < seq.seqlen_q ? lse(mi) : -INFINITY;
     }
   }
@@ -99,7 +100,8 @@ CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TensorS const& tS, Tens
 // d_v), any swizzle, 1024-byte aligned) to global memory in 16-byte vectors by `tid` of `num_threads`
 // threads. Tile row r0 + r is query q0 + (r0 + r) / pack of head h0 + (r0 + r) % pack (o_ptr: row 0
 // of the batch element, head 0; pack > 1 for a GQA-packed tile, see write_lse_packed). Rows past
-// seqlen_q (seqused_q) are written as 0, rows past seqlen_q_alloc or at or past rows_used not at all.
+// seqlen_q (seqused_q) are written as 0, rows past seqlen_q_alloc, before row 0 (q0 < 0: a shifted
+// tile) or at or past rows_used not at all.
 // For tiles that cannot take a TMA store: a rolled loop that holds almost no registers.
 template <class SmemLayout, class Element>
 CUTE_DEVICE void store_o_rows_packed(Element const* smem_o, Element* o_ptr, int64_t row_stride, int64_t head_stride,
@@ -113,7 +115,7 @@ CUTE_DEVICE void store_o_rows_packed(Element const* smem_o, Element* o_ptr, int6
   for (int i = tid; i < kRows * vecs; i += num_threads) {
     int const r = i / vecs, c = (i - r * vecs) * kElemsPerVec;
     int const q = q0 + (r0 + r) / pack;
-    if (r0 + r >= rows_used || q >= seqlen_q_alloc) { continue; }
+    if (r0 + r >= rows_used || unsigned(q) >= unsigned(seqlen_q_alloc)) { continue; }
     uint4 const v = q < seqlen_q ? *reinterpret_cast<uint4 const*>(&sO(r, c)) : make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4*>(o_ptr + q * row_stride + (h0 + (r0 + r) % pack) * head_stride + c) = v;
   }

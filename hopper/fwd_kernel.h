@@ -91,6 +91,10 @@ struct FwdKernelParams {
   // Band kernels that may take the producer's K-ahead order (kKAheadBand): 1 = this launch takes it
   // (the host heuristic hopper_fwd_k_ahead_band); ignored by the other kernels.
   int k_ahead;
+  // kQShift kernels: query block m holds rows [m block_m - q_shift, (m + 1) block_m - q_shift), so that
+  // a seqlen_q that is not a multiple of block_m leaves its partial block first, where a causal mask
+  // gives it the fewest keys, rather than last, where it gives it the most (fwd_q_shift).
+  int q_shift;
   CUtensorMap tma_q_packed;  // q as (d, pack, rows, KV heads, batch), box (swizzle atom columns, pack, q_per_tile, 1, 1)
   ShapeQKV shape_q, shape_k, shape_v;
   TmaQ tma_q;
@@ -100,13 +104,35 @@ struct FwdKernelParams {
   TmaO tma_o;
 };
 
-// Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf).
+// Per-tile geometry; `active` is false for tiles whose rows see no key (written as 0 / -inf). Under a
+// row shift (FwdKernelParams::q_shift) `seq` is the tile's frame: its rows start q_shift rows before
+// the sequence (q_row0, the TMA row of Q, moves back by q_shift; seqlen_q and seqlen_q_alloc grow by
+// it), so the query block's first row is m_block * block_m as without a shift, and the band mask,
+// whose diagonal depends on seqlen_k - seqlen_q and the row only, stays the same. Those leading rows
+// load as zeros (TMA's out-of-bounds fill) and are never written.
 struct TileWork {
   TileCoord coord;
   SeqInfo seq;
   int n_block_min, n_block_max;
   bool in_range, active;
+
+  // The sequence's own geometry (seq without the shift).
+  CUTE_DEVICE SeqInfo sequence(int q_shift) const {
+    SeqInfo s = seq;
+    s.q_row0 += q_shift;
+    s.seqlen_q -= q_shift;
+    s.seqlen_q_alloc -= q_shift;
+    return s;
+  }
 };
+
+// The kernels that shift their query blocks (FwdKernelParams::q_shift): band masks on the tall tile
+// (three consumer warpgroups) in the overlapped schedule. With the partial block last, a causal mask's
+// longest tile ran on one or two of the three warpgroups (4096 = 21 x 192 + 64, 2048 = 10 x 192 + 128).
+// The 128-row band kernels take no shift: their code with one measured 1% slower at d 64 causal 1k,
+// where no block is partial (benchmarks/NOTES.md, session 48).
+template <class Traits, bool kIsBand>
+constexpr bool kQShift = kIsBand && Traits::kIntraWGOverlap && Traits::kBlockM > 128;
 
 // Build-time switch of the producer's K-ahead order where the tile takes it (0: K and V of each block
 // in turn everywhere), for measuring its gain.
@@ -171,8 +197,14 @@ constexpr bool kTailSplit = !kIsBand && Traits::kIntraWGOverlap && !Traits::kOOv
 // q_per_tile: queries per tile (block_m, or fewer under GQA packing). Part i of a split tile walks its
 // blocks [i, i + 1) * blocks_per_part (hopper_fwd_split_plan: every part has one).
 template <class Traits, bool kIsBand, bool kSplit>
-CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile, int blocks_per_part) {
-  SeqInfo const seq(params.abi, c.bidb);
+CUTE_DEVICE TileWork make_tile_work(FwdParams const& params, TileCoord const c, int q_per_tile, int blocks_per_part,
+                                    int q_shift) {
+  SeqInfo seq(params.abi, c.bidb);
+  if constexpr (kQShift<Traits, kIsBand>) {
+    seq.q_row0 -= q_shift;
+    seq.seqlen_q += q_shift;
+    seq.seqlen_q_alloc += q_shift;
+  }
   TileWork w{c, seq, 0, 0, c.m_block * q_per_tile < seq.seqlen_q_alloc, false};
   if (w.in_range) {
     kv_block_range<kIsBand>(params.abi, seq, c.m_block, q_per_tile, Traits::kBlockN, w.n_block_min, w.n_block_max);
@@ -237,6 +269,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHeadDimV = Traits::kHeadDimV;
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
+  int const q_shift = kQShift<Traits, kIsBand> ? kp.q_shift : 0;
   TileScheduler<kIsBand, kClusterM, kSplit> const sched{kp.num_m_blocks, kp.pack > 1 ? p.num_heads_k : p.num_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
                                                 kp.num_whole, kp.splits};
@@ -424,7 +457,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // and the next tile's first ones.
       int next = 0;
       if (lane_predicate) { next = sched.fetch_next(idx); }
-      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
+      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part, q_shift);
       auto publish = [&] {
         idx = __shfl_sync(0xffffffff, next, leader_lane);
         coord = idx < num_tiles ? sched.tile(idx) : Handoff::kDone;
@@ -479,11 +512,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The next tile with work, from `coord` on; tiles whose rows see no key are written on the way.
   auto next_work = [&](TileCoord coord, TileWork& w) {
     for (; coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
+      w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part, q_shift);
       if (!w.in_range) { continue; }
       if (w.active) { return true; }
-      write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,
-                                         Traits::kNMmaThreads, kp.pack, kp.q_per_tile);
+      write_empty_tile<Element, kBlockM>(params, w.sequence(q_shift), w.coord.m_block, w.coord.bidh, w.coord.bidb,
+                                         thread_idx, Traits::kNMmaThreads, kp.pack, kp.q_per_tile, q_shift);
     }
     return false;
   };
@@ -612,6 +645,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // geometry and the thread's fragment coordinates and staging addresses are recomputed here from the
   // tile's coordinates rather than kept live across the mainloop: at d = 256 (O: 128 registers) that
   // is what keeps the consumers within 240 registers without spills.
+  // Rows are the sequence's here: a shifted tile's first row is m_block * kBlockM - q_shift.
   auto epilogue = [&](TileCoord const c, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
     SeqInfo const seq(p, c.bidb);
     int const m_block = c.m_block, bidh = c.bidh, bidb = c.bidb;
@@ -649,16 +683,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       staged_o_read(q_state.index(), barrier);
       return;
     }
-    write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM, seq);
+    write_lse(p.lse + seq.lse_offset(p, bidb) + bidh * p.lse_head_stride, lse, tOcO, m_block * kBlockM - q_shift, seq);
 
-    int const row0 = m_block * kBlockM + wg * 64;
-    if (row0 + 64 <= seq.seqlen_q) {
+    int const row0 = m_block * kBlockM + wg * 64 - q_shift;
+    if ((!kQShift<Traits, kIsBand> || row0 >= 0) && row0 + 64 <= seq.seqlen_q) {
       cutlass::arch::fence_view_async_shared();  // the stores above, before the TMA unit reads them
       cutlass::arch::NamedBarrier::sync(128, barrier);
       if (store_leader) {
         Tensor sOw = make_tensor(make_smem_ptr(stage + wg_offset), typename Traits::SmemLayoutOWG{});
         Tensor mO = kp.tma_o.get_tma_tensor(kp.shape_o);
-        Tensor gO = local_tile(domain_offset(make_coord(seq.q_row0, _0{}), mO(_, _, bidh, p.cu_seqlens_q ? 0 : bidb)),
+        Tensor gO = local_tile(domain_offset(make_coord(seq.q_row0 - q_shift, _0{}), mO(_, _, bidh, p.cu_seqlens_q ? 0 : bidb)),
                                typename Traits::TileShapeOWG{}, make_coord(m_block * Traits::kNMmaWarpGroups + wg, _0{}));
         auto [tOgO, tOsO] = tma_partition(kp.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sOw), group_modes<0, 2>(gO));
         copy(kp.tma_o, tOsO, tOgO);
@@ -689,7 +723,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor tOcOg = gmem_thr_o.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     // `continue` also goes through the hand-off (the loop's increment).
     for (TileCoord coord = sched.tile(sched.first()); coord.m_block >= 0; coord = handoff.consumer_receive(handoff_state)) {
-      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part);
+      TileWork const w = make_tile_work<Traits, kIsBand, kSplit>(params, coord, kp.q_per_tile, kp.blocks_per_part, q_shift);
       if (!w.in_range) { continue; }
       if (!w.active) {
         write_empty_tile<Element, kBlockM>(params, w.seq, w.coord.m_block, w.coord.bidh, w.coord.bidb, thread_idx,

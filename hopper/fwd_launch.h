@@ -37,6 +37,18 @@ inline int fwd_pack_gqa(FtFwdParams const& p, int block_m) {
   return fill_unpacked < 0.9 * fill_packed ? group : 1;
 }
 
+// FwdKernelParams::q_shift (kQShift kernels): under a band mask whose right edge is no wider than its
+// left one (causal, causal-local windows), a query length that is not a multiple of block_m leaves its
+// partial block first, where its rows see the fewest keys. One shift for every batch element: fixed
+// query lengths only, and no GQA packing.
+template <class Traits, bool kIsBand>
+int fwd_q_shift(FtFwdParams const& p, int pack) {
+  if (!kQShift<Traits, kIsBand> || pack > 1 || p.cu_seqlens_q || p.seqused_q) { return 0; }
+  if (p.window_right < 0 || (p.window_left >= 0 && p.window_left < p.window_right)) { return 0; }
+  int const rem = p.seqlen_q % Traits::kBlockM;
+  return rem == 0 ? 0 : Traits::kBlockM - rem;
+}
+
 // The 5-d TMA descriptor of GQA-packed Q tiles: q as (d, pack, rows, KV heads, batch) with byte
 // strides (head, row, pack * head, batch), box (swizzle atom columns, pack, q_per_tile, 1, 1) and the
 // swizzle of SmemLayoutQ, so each load fills one column chunk of the tile exactly as the unpacked
@@ -107,6 +119,7 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   kp.pack = pack;
   kp.k_ahead = kIsBand && hopper_fwd_k_ahead_band(Traits::kTile, p.seqlen_k) ? 1 : 0;
   kp.q_per_tile = Traits::kBlockM / kp.pack;
+  kp.q_shift = fwd_q_shift<Traits, kIsBand>(p, kp.pack);
   kp.tma_bytes_q = Traits::kTmaBytesQ;
   int const sched_heads = kp.pack > 1 ? p.num_heads_k : p.num_heads;
   if (kp.pack > 1) {
@@ -173,7 +186,8 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   TileScheduler<kIsBand, kClusterM, true> const sched{kp.num_m_blocks, sched_heads, p.batch,
                                                 kp.heads_per_section, kp.lead_pairs, kp.lead_group, p.tile_counter,
                                                 kp.num_whole, kp.splits};
-  if (!p.tile_counter_zeroed) {
+  // A cluster launch that does not split reads no counter (its schedule is static).
+  if (!p.tile_counter_zeroed && (kClusterM == 1 || plan.splits > 1)) {
     if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, FT_FWD_COUNTERS * sizeof(int32_t), stream)) {
       return LaunchStatus::cuda(e, "cudaMemsetAsync(tile_counter)");
     }

@@ -282,10 +282,13 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
 # Hopper forward at d <= 128 with 2k-4k query rows (the tile policy's tall tile: 192 rows on three
 # consumer warpgroups, chosen by hopper_fwd_tall from seqlen_q 2k, with or without a band mask):
 # an odd number of query blocks (4000 rows: 21 blocks, the cluster-less kernel) and an even one (4224
-# rows: 22 blocks, 2-CTA clusters), a partial last block (under a band mask, 4100 / 4097 / 4096 rows
-# leave its last warpgroups' rows all past seqlen_q, and those walk one block), fewer keys than
-# queries under the bottom-right causal mask, a local window, GQA packing (q_per_tile 48 rows of 4
-# heads) and varlen sequences on both sides of the threshold.
+# rows: 22 blocks, 2-CTA clusters), a partial block (without a mask the last one, whose rows past
+# seqlen_q are computed and not written; under a causal or local mask the first one, the query blocks
+# starting q_shift rows before the sequence: 4100 / 2050 / 4097 rows, whose leading rows load as zeros
+# and are not written), fewer keys than queries under the bottom-right causal mask (4000 x 500: the
+# shifted first block sees no key and is written as an empty tile), more keys than queries (the
+# leading rows see keys), a local window, GQA packing (q_per_tile 48 rows of 4 heads, no shift) and
+# varlen sequences on both sides of the threshold.
 TALL_CASES = {
     "full-odd": dict(sq=4000, sk=3001, h=2, hk=2, causal=False),
     "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
@@ -295,6 +298,8 @@ TALL_CASES = {
     "full-tail2": dict(sq=2000, sk=2100, h=4, hk=2, causal=False),
     "causal": dict(sq=4100, sk=3900, h=2, hk=2, causal=True),
     "causal-2k": dict(sq=2050, sk=2050, h=2, hk=2, causal=True),
+    "causal-few-keys": dict(sq=4000, sk=500, h=2, hk=2, causal=True),
+    "causal-more-keys": dict(sq=2050, sk=3000, h=2, hk=1, causal=True),
     "local": dict(sq=4097, sk=4097, h=2, hk=2, window_size=(300, 40)),
     "pack": dict(sq=4096, sk=4096, h=8, hk=2, causal=True, pack_gqa=True),
 }
