@@ -57,10 +57,11 @@ typedef struct FtFwdParams {
   const int32_t* seqused_k;     // (b) or NULL
   // Scheduler workspace for ft_mha_fwd (ignored by ft_mha_bwd): FT_FWD_COUNTERS int32 of device
   // memory (the tile counter, then the tail split's per-tile counters). With tile_counter_zeroed = 0
-  // any content (the launch clears it on the stream) and one per call in flight; with 1 it holds zeros
-  // when the launch runs and every launch leaves it zero (the kernel's last draw resets the tile
-  // counter, the last split of a tile its counter), so one workspace serves all calls ordered on one
-  // stream (never two streams).
+  // any content and one per call in flight: a launch that reads it clears it first on the stream, one
+  // that does not (2-CTA clusters without a split) leaves it as it was, so such a buffer never becomes
+  // a zeroed one by being used; with 1 it holds zeros when the launch runs and every launch leaves it
+  // zero (the kernel's last draw resets the tile counter, the last split of a tile its counter), so one
+  // workspace serves all calls ordered on one stream (never two streams).
   int32_t* tile_counter;
 
   int32_t batch;

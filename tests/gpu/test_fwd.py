@@ -302,6 +302,12 @@ TALL_CASES = {
     "causal-more-keys": dict(sq=2050, sk=3000, h=2, hk=1, causal=True),
     "local": dict(sq=4097, sk=4097, h=2, hk=2, window_size=(300, 40)),
     "pack": dict(sq=4096, sk=4096, h=8, hk=2, causal=True, pack_gqa=True),
+    # Shifted query blocks across batch elements (the leading rows' negative coordinates must read
+    # zeros, not the previous element's rows, and write nothing), no shift at a multiple of 192 under a
+    # causal mask, and a shifted local window without a right edge.
+    "causal-batch": dict(b=3, sq=2050, sk=2050, h=2, hk=2, causal=True),
+    "causal-aligned": dict(b=2, sq=2304, sk=2304, h=2, hk=2, causal=True),
+    "local-batch": dict(b=2, sq=2000, sk=2300, h=2, hk=1, window_size=(500, 0)),
 }
 
 
@@ -317,10 +323,10 @@ def _tall_head_dims(dtype, band):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fwd_tall_tile(dtype, case, seed):
     c = dict(TALL_CASES[case])
-    sq, sk, h, hk = c.pop("sq"), c.pop("sk"), c.pop("h"), c.pop("hk")
+    sq, sk, h, hk, b = c.pop("sq"), c.pop("sk"), c.pop("h"), c.pop("hk"), c.pop("b", 1)
     pack = c.pop("pack_gqa", None)
     for d, dv in _tall_head_dims(dtype, band=c.get("causal", False) or "window_size" in c):
-        q, k, v = random_qkv(1, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
+        q, k, v = random_qkv(b, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
         out, lse = run_fwd(q, k, v, pack_gqa=pack, **c)
         _check(f"d{d}x{dv} out", out, lse, _refs(q, k, v, **c))
 
