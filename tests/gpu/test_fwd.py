@@ -292,10 +292,10 @@ def test_fwd_cluster_pairs(dtype, hdim, seqlens, seed):
 TALL_CASES = {
     "full-odd": dict(sq=4000, sk=3001, h=2, hk=2, causal=False),
     "full-even": dict(sq=4224, sk=4224, h=2, hk=1, causal=False),
-    # The last query block with its third warpgroup's rows (2048: 128 of 192) or two warpgroups' rows
-    # (2000: 80 of 192) all past seqlen_q, without a mask: computed, and none of them written.
+    # The last query block with its third warpgroup's rows (2048: 128 of 192) or its second and third
+    # warpgroups' rows (2160: 48 of 192) all past seqlen_q, without a mask: computed, and none written.
     "full-tail": dict(sq=2048, sk=2048, h=3, hk=3, causal=False),
-    "full-tail2": dict(sq=2000, sk=2100, h=4, hk=2, causal=False),
+    "full-tail2": dict(sq=2160, sk=2100, h=4, hk=2, causal=False),
     "causal": dict(sq=4100, sk=3900, h=2, hk=2, causal=True),
     "causal-2k": dict(sq=2050, sk=2050, h=2, hk=2, causal=True),
     "causal-few-keys": dict(sq=4000, sk=500, h=2, hk=2, causal=True),
@@ -307,8 +307,12 @@ TALL_CASES = {
     # causal mask, and a shifted local window without a right edge.
     "causal-batch": dict(b=3, sq=2050, sk=2050, h=2, hk=2, causal=True),
     "causal-aligned": dict(b=2, sq=2304, sk=2304, h=2, hk=2, causal=True),
-    "local-batch": dict(b=2, sq=2000, sk=2300, h=2, hk=1, window_size=(500, 0)),
+    "local-batch": dict(b=2, sq=2100, sk=2300, h=2, hk=1, window_size=(500, 0)),
 }
+
+# Query rows from which the forward takes the tall tile (hopper_fwd_tall in common/tile_policy.h): every
+# case above must reach it, or it tests the 128-row tile instead.
+TALL_MIN_SEQLEN_Q = 2048
 
 
 def _tall_head_dims(dtype, band):
@@ -324,6 +328,7 @@ def _tall_head_dims(dtype, band):
 def test_fwd_tall_tile(dtype, case, seed):
     c = dict(TALL_CASES[case])
     sq, sk, h, hk, b = c.pop("sq"), c.pop("sk"), c.pop("h"), c.pop("hk"), c.pop("b", 1)
+    assert sq >= TALL_MIN_SEQLEN_Q, f"case {case} runs the 128-row tile"
     pack = c.pop("pack_gqa", None)
     for d, dv in _tall_head_dims(dtype, band=c.get("causal", False) or "window_size" in c):
         q, k, v = random_qkv(b, sq, sk, h, hk, d, dv, dtype=DTYPES[dtype], device="cuda", seed=seed)
