@@ -547,17 +547,28 @@ def test_fwd_varlen(dtype, hdim, case, heads, causal, window, seed):
     _check("varlen out", out, lse, refs, varlen=True)
 
 
+# Sequences without keys among ones with keys: "tail", the last one keyless (persistent CTAs take an
+# active tile, then only tiles whose rows see no key, written on the way, before the walk ends);
+# "middle", keyless runs between active sequences (a CTA walks past several tiles without work in a
+# row, then takes an active one).
+KEYLESS = {"tail": ([700, 300, 450], [700, 250, 0]), "middle": ([640, 900, 700, 300, 1000, 200], [640, 0, 0, 300, 0, 513])}
+
+
+@pytest.mark.parametrize("case", list(KEYLESS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fwd_varlen_keyless_tail(dtype, hdim, causal, seed):
-    """More tiles than SMs, the last sequence without keys: persistent CTAs take an active tile, then only
-    tiles whose rows see no key (written on the way) before the walk ends."""
+def test_fwd_varlen_keyless(dtype, hdim, causal, case, seed):
+    """More tiles than SMs, with sequences whose rows see no key (KEYLESS)."""
     d, dv = hdim
     require_built(dtype, d, dv, band=causal)
-    lens_q, lens_k = [700, 300, 450], [700, 250, 0]
+    lens_q, lens_k = KEYLESS[case]
     out, lse = _check_varlen_causal("varlen out", lens_q, lens_k, 48, 8, d, dv, dtype, seed, causal)
-    assert torch.all(out[-lens_q[-1]:] == 0) and torch.isneginf(lse[:, -lens_q[-1]:]).all()
+    start = 0
+    for lq, lk in zip(lens_q, lens_k):
+        if lk == 0:
+            assert torch.all(out[start:start + lq] == 0) and torch.isneginf(lse[:, start:start + lq]).all()
+        start += lq
 
 
 @pytest.mark.parametrize("hdim", HEAD_DIMS, ids=HDIM_IDS)
