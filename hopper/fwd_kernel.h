@@ -852,7 +852,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Fused tile boundary (kFusedBoundary), inside the tail turn once its PV GEMM is issued, for a next
     // tile t with work: O is finalized and converted, t's first S GEMM issued and the turn passed, and
     // the epilogue's stores run under that GEMM. Where blocks of t are masked whole for this warpgroup,
-    // the tail turn stands for the first one's instead and head() takes the rest.
+    // the tail turn stands for the first one's instead and head() takes the rest. The S GEMM is not
+    // head()'s: there the previous tile's store is waited for under the GEMM, here it is only issued
+    // under it and waited for after the softmax.
     auto fused_boundary = [&](auto const& t) {  // generic: compiled only where called
       int const n_max_next = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       auto q_next = q_read_state;
