@@ -385,9 +385,10 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   t.paired_mask = FLASHTILE_PAIRED_MASK >= 0 ? FLASHTILE_PAIRED_MASK == 1 : d <= 128;
   // The fused tile boundary measured +0.8-1.5% at d = 64 non-causal 512-1k and +0.2-0.7% causal on the
   // 128-row tile (H200, sustained); the tall tile lost 0.9-2.7% (causal 2k-4k) and d = 128 0.4-1.4%
-  // (512-4k), where holding the ring through the PV GEMM costs more. Off by default until its current
-  // form (tiles without work walked past after the turn) has run the whole forward test suite; the
-  // candidate policy is switch 1 (benchmarks/NOTES.md, sessions 49-50).
+  // (512-4k), where holding the ring through the PV GEMM costs more. That form deadlocked on runs of
+  // tiles without work; the fixed form (those tiles walked past after the turn) passes the forward
+  // tests but lost 1.5% (non-causal) and 4% (causal) at d = 64 512-1k, so it stays off
+  // (benchmarks/NOTES.md, sessions 49-51).
   t.fused_boundary = FLASHTILE_FWD_FUSED_BOUNDARY == 2 || (FLASHTILE_FWD_FUSED_BOUNDARY == 1 && d <= 64 && !is_tall);
   return t;
 }
