@@ -89,12 +89,14 @@ struct BwdTraits {
   using TileShapedQ = Shape<Int<kBlockM>, Int<kdQCols>>;  // the C tile of one dQ pass
 
   // Q, dO and K are also MN-major B operands whose columns are split between the warpgroups (dK/dV
-  // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's half (d = 192: 96 columns).
+  // without kSwapSdP, dQ): the swizzle atom must divide a warpgroup's share (d = 192: 96 columns).
+  // K's share is its columns of one dQ pass (d = 96 under kSwapSdP: 48, a 32-byte atom).
   template <int kCols>
   using SmemAtomQKV = SmemAtomKMajor<Element, kSwapSdP ? kCols : kCols / 2>;
+  static constexpr int kdQWgCols = kdQCols / (kNMmaWarpGroups / kWgMdQ);
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kdOStages>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kdQWgCols>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   // dS is double-buffered under kSwapSdP, which lets a warpgroup write step s + 1's dS while the other
   // may still read step s's (no "dS free" barrier); the other schedule has one P and one dS tile.

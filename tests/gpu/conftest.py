@@ -1,4 +1,8 @@
-"""GPU tests: skipped with a clear reason where there is no CUDA GPU or no compiled library."""
+"""GPU tests: skipped with a clear reason where there is no CUDA GPU or no compiled library. A library
+named through FLASHTILE_LIBRARY_DIR that cannot be loaded stops the run instead: that is a wrong path or
+a failed build, not a machine without the library."""
+import os
+
 import pytest
 import torch
 
@@ -12,6 +16,8 @@ def pytest_collection_modifyitems(config, items):
         try:
             lib.lib()
         except lib.LibraryNotAvailableError as e:
+            if os.environ.get("FLASHTILE_LIBRARY_DIR"):
+                raise pytest.UsageError(f"FLASHTILE_LIBRARY_DIR names no loadable library: {e}") from e
             reason = f"compiled flashtile library not available: {e}"
     if reason:
         skip = pytest.mark.skip(reason=reason)
