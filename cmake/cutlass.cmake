@@ -1,6 +1,10 @@
 # CUTLASS/CuTe headers from the pinned nvidia-cutlass Python package (a build requirement), found
-# through the build's Python; FT_CUTLASS_INCLUDE_DIR can point elsewhere. Nothing is downloaded.
+# through the build's Python; FT_CUTLASS_INCLUDE_DIR (a CMake variable or an environment variable) can
+# point elsewhere. Nothing is downloaded.
 find_package(Python3 REQUIRED COMPONENTS Interpreter)
+if(NOT FT_CUTLASS_INCLUDE_DIR AND DEFINED ENV{FT_CUTLASS_INCLUDE_DIR})
+  set(FT_CUTLASS_INCLUDE_DIR "$ENV{FT_CUTLASS_INCLUDE_DIR}")
+endif()
 if(NOT FT_CUTLASS_INCLUDE_DIR)
   execute_process(
     COMMAND ${Python3_EXECUTABLE} -c
