@@ -285,10 +285,6 @@ struct HopperFwdTile {
   // Band kernels may load K a block ahead of V, chosen per launch (hopper_fwd_k_ahead_band); only
   // one-Q-stage tiles of the overlapped schedule take the order at all (hopper/fwd_kernel.h).
   bool band_k_ahead = false;
-  // A warpgroup's tail turn of a tile also takes its first turn of the next one, the epilogue's stores
-  // running under the next S GEMM (kFusedBoundary in hopper/fwd_kernel.h; overlapped schedule, two or
-  // more Q stages, O not over V).
-  bool fused_boundary = false;
 };
 
 // Build-time override of the Hopper consumer schedule, for measuring each overlap's gain:
@@ -314,11 +310,6 @@ struct HopperFwdTile {
 #endif
 #ifndef FLASHTILE_HOPPER_BLOCK_N
 #define FLASHTILE_HOPPER_BLOCK_N -1
-#endif
-// Build-time switch of HopperFwdTile::fused_boundary: 0 off, 1 d <= 64 on the 128-row tile, 2 every tile
-// that can take it (kFusedBoundary).
-#ifndef FLASHTILE_FWD_FUSED_BOUNDARY
-#define FLASHTILE_FWD_FUSED_BOUNDARY 0
 #endif
 // Build-time override of HopperFwdTile::paired_mask (0 off, 1 on); -1 = policy.
 #ifndef FLASHTILE_PAIRED_MASK
@@ -383,13 +374,6 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   // Paired masks measured +2-3% at d = 64 causal 512-2k on an H100, neutral at d = 128, and -3% at
   // d = 256 causal 4k (block_n 80; neutral at its other lengths), so d = 256 keeps a compare per score.
   t.paired_mask = FLASHTILE_PAIRED_MASK >= 0 ? FLASHTILE_PAIRED_MASK == 1 : d <= 128;
-  // The fused tile boundary measured +0.8-1.5% at d = 64 non-causal 512-1k and +0.2-0.7% causal on the
-  // 128-row tile (H200, sustained); the tall tile lost 0.9-2.7% (causal 2k-4k) and d = 128 0.4-1.4%
-  // (512-4k), where holding the ring through the PV GEMM costs more. That form deadlocked on runs of
-  // tiles without work; the fixed form (those tiles walked past after the turn) passes the forward
-  // tests but lost 1.5% (non-causal) and 4% (causal) at d = 64 512-1k, so it stays off
-  // (benchmarks/NOTES.md, sessions 49-51).
-  t.fused_boundary = FLASHTILE_FWD_FUSED_BOUNDARY == 2 || (FLASHTILE_FWD_FUSED_BOUNDARY == 1 && d <= 64 && !is_tall);
   return t;
 }
 

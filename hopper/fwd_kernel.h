@@ -157,18 +157,6 @@ constexpr bool kKAheadBand = kKAheadTile<Traits> && kIsBand && Traits::kTile.ban
 #define FLASHTILE_FWD_WG_SKIP 1
 #endif
 
-// The fused tile boundary (HopperFwdTile::fused_boundary): a warpgroup's tail turn of one tile (its last
-// PV GEMM, then O normalized and converted) also takes its first turn of the next tile (that tile's first
-// S GEMM, or the first of its blocks masked whole for the warpgroup), and the epilogue's stores run under
-// that S GEMM. O is read out of its accumulators before the S GEMM is issued: read with the S GEMM in
-// flight, ptxas serializes every WGMMA of the kernel (C7514). Needs the next tile's Q in another stage
-// than the one O is staged over (two or more Q stages, O not over V); not in the split instance. Only a
-// tile handed over with work is taken so: walking past tiles without work waits on further handoffs,
-// which the other warpgroup frees only after its own tail turn (deadlock if done inside the turn).
-template <class Traits, bool kSplit>
-constexpr bool kFusedBoundary = Traits::kTile.fused_boundary && Traits::kIntraWGOverlap && !Traits::kOOverV &&
-                                Traits::kQStages >= 2 && !kSplit;
-
 // Whether a warpgroup can have blocks of its tile masked whole: band masks on tiles with
 // block_n < block_m (the tall tile; 128 x 96 at d 192, 128 x 80 at d 256).
 template <class Traits, bool kIsBand>
@@ -658,17 +646,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // tile's coordinates rather than kept live across the mainloop: at d = 256 (O: 128 registers) that
   // is what keeps the consumers within 240 registers without spills.
   // Rows are the sequence's here: a shifted tile's first row is m_block * kBlockM - q_shift.
-  // The epilogue's stores of O and its rows' LSE: out_of(stored) fills lse and returns O converted, or
-  // clears stored where another part of a split tile stores it.
-  auto epilogue_of = [&](TileCoord const c, typename Traits::PipelineStateQ q_state, auto& lse, auto const& out_of) {
+  auto epilogue = [&](TileCoord const c, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
     SeqInfo const seq(p, c.bidb);
     int const m_block = c.m_block, bidh = c.bidh, bidb = c.bidb;
     int const epi_thread = thread_idx_reread() - 128;
     Tensor tOcO = rowcol(tiled_mma_pv.get_thread_slice(epi_thread).partition_C(
         make_identity_tensor(select<0, 1>(typename Traits::TileShapePV{}))));
-    bool stored = true;
-    auto const rO = out_of(stored);
-    if (!stored) { return; }
+    Tensor out = rowcol(tOrO);
+    Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
+    softmax.finalize(out, lse, params.scale_ln);
+    if constexpr (kSplit) {
+      if (c.split >= 0 && !combine_parts(c, tOrO, lse)) {
+        release_q(q_state.index());  // another part stores the tile (kTailSplit: O is staged over Q)
+        return;
+      }
+    }
+    Tensor rO = convert_fragment<Element>(tOrO);
     if constexpr (Traits::kOOverV) {
       // The other warpgroup's last PV GEMM, the last reader of V, has completed.
       cutlass::arch::NamedBarrier::sync(256, fwd_vread_barrier(wg == 0 ? 1 : 0));
@@ -715,21 +708,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         stage + wg_offset, static_cast<Element*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride, p.o_row_stride,
         row0, seq.seqlen_q, seq.seqlen_q_alloc, p.head_dim_v, wg_thread, 128);
     staged_o_read(q_state.index(), barrier);
-  };
-
-  auto epilogue = [&](TileCoord const c, auto& softmax, auto& tOrO, typename Traits::PipelineStateQ q_state) {
-    Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
-    epilogue_of(c, q_state, lse, [&](bool& stored) {
-      Tensor out = rowcol(tOrO);
-      softmax.finalize(out, lse, params.scale_ln);
-      if constexpr (kSplit) {
-        if (c.split >= 0 && !combine_parts(c, tOrO, lse)) {
-          release_q(q_state.index());  // another part stores the tile (kTailSplit: O is staged over Q)
-          stored = false;
-        }
-      }
-      return convert_fragment<Element>(tOrO);
-    });
   };
 
   auto make_mask = [&](TileWork const& w) {
@@ -815,17 +793,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // previous fill, which the other warpgroups may still be reading). Each skipped block's K is
     // released before its V is waited for: under k_ahead the producer issues V(n) only after K(n - 1),
     // whose stage the K of block n + 1 frees (in the per-block order V(n) follows K(n) alone).
-    // tail_took_turn: the fused boundary's tail turn stood for the first masked block's turn.
-    auto head = [&](TileWork const& t, bool const tail_took_turn) {
+    auto head = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       if constexpr (kWgSkip<Traits, kIsBand>) {
         // Under kOOverV the producer's next V load waits for this warpgroup's previous O store.
         if (n_max_wg < t.n_block_max) { finish_store(); }
         for (int n_block = t.n_block_max - 1; n_block >= n_max_wg; --n_block) {
-          if (!tail_took_turn || n_block < t.n_block_max - 1) {
-            turn.wait_turn();
-            turn.pass_turn(false);
-          }
+          turn.wait_turn();
+          turn.pass_turn(false);
           consumer_k.consumer_wait(read_state);
           consumer_k.consumer_release(read_state);
           consumer_v.consumer_wait(read_state);
@@ -849,54 +824,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       v_state = read_state;
       ++read_state;
     };
-    // Fused tile boundary (kFusedBoundary), inside the tail turn once its PV GEMM is issued, for a next
-    // tile t with work: O is finalized and converted, t's first S GEMM issued and the turn passed, and
-    // the epilogue's stores run under that GEMM. Where blocks of t are masked whole for this warpgroup,
-    // the tail turn stands for the first one's instead and head() takes the rest. The S GEMM is not
-    // head()'s: there the previous tile's store is waited for under the GEMM, here it is only issued
-    // under it and waited for after the softmax.
-    auto fused_boundary = [&](auto const& t) {  // generic: compiled only where called
-      int const n_max_next = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
-      auto q_next = q_read_state;
-      ++q_next;
-      if (n_max_next < t.n_block_max) {  // kWgSkip: the tail turn stands for the first masked block's turn
-        turn.pass_turn(false);
-        warpgroup_wait<0>();
-        consumer_v.consumer_release(v_state);
-        epilogue(w.coord, softmax, tOrO, q_read_state);
-        q_read_state = q_next;
-        w = t;
-        head(w, true);
-        return;
-      }
-      Tensor tSrS = new_scores();
-      warpgroup_wait<0>();
-      Tensor out = rowcol(tOrO);
-      Tensor lse = make_tensor<float>(Shape<Int<kRowsPerThread>>{});
-      softmax.finalize(out, lse, params.scale_ln);
-      Tensor rO = convert_fragment<Element>(tOrO);
-      pipeline_q.consumer_wait(q_part(q_next, kp.pack > 1 ? 0 : wg * (kQParts > 1)));
-      consumer_k.consumer_wait(read_state);
-      wg_gemm<true, -1>(tiled_mma_qk, tSrQ(_, _, _, q_next.index()), tSrK(_, _, _, read_state.index()), tSrS);
-      turn.pass_turn(false);
-      consumer_v.consumer_release(v_state);
-      epilogue_of(w.coord, q_read_state, lse, [&](bool&) { return rO; });
-      q_read_state = q_next;
-      w = t;
-      n_max_wg = n_max_next;
-      warpgroup_wait<0>();
-      consumer_k.consumer_release(read_state);
-      first_block_softmax<Traits, kIsBand, kHasSoftcap>(tSrS, tOrP, tScS, make_mask(w), softmax, params.softcap_scale,
-                                                        w.coord.m_block, n_max_wg - 1);
-      // The previous tile's O store has read its Q stage out, which the tile after this one loads.
-      finish_store();
-      clear(tOrO);
-      v_state = read_state;
-      ++read_state;
-    };
     if (more) {
       turn.start();  // once: the turns run on across tiles
-      head(w, false);
+      head(w);
       while (true) {  // left by the break after the last tile
         overlap_body<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, v_state,
                                                    tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
@@ -912,18 +842,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         turn.wait_turn();
         consumer_v.consumer_wait(v_state);
         wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
-        if constexpr (kFusedBoundary<Traits, kSplit>) {
-          // Fused boundary: a tile handed over with work is taken inside this turn. Tiles without work
-          // are walked past after the turn, as below: that walk receives further handoffs, whose slots
-          // the other warpgroup frees only once it has had its turn.
-          if (nc.m_block >= 0) {
-            TileWork const nw = make_tile_work<Traits, kIsBand, kSplit>(params, nc, kp.q_per_tile, kp.blocks_per_part, q_shift);
-            if (nw.in_range && nw.active) {
-              fused_boundary(nw);
-              continue;
-            }
-          }
-        }
         turn.pass_turn(nc.m_block < 0);
         TileWork nw;
         bool const next = next_work(nc, nw);
@@ -941,7 +859,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if constexpr (Traits::kQStages == 1 && !Traits::kOOverV) { finish_store(); }  // the next Q goes to this stage
         if (!next) { break; }
         w = nw;
-        head(w, false);
+        head(w);
       }
     }
   }
