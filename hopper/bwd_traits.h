@@ -58,9 +58,12 @@ struct BwdTraits {
   static constexpr bool kSwapSdP = kWgMdKV == 2;
   static_assert(kBlockN % (64 * kWgMdKV) == 0 && kBlockM % (64 * kWgMSdP) == 0);
 
+  // A warpgroup's share of a GEMM's N when kWgM warpgroups split its M (the rest split N).
+  template <int kN, int kWgM>
+  static constexpr int kWgCols = kN / (kNMmaWarpGroups / kWgM);
   template <int kM, int kN, int kK, int kWgM, GMMA::Major kMajorA, GMMA::Major kMajorB>
   using TiledMmaOf = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kN / (kNMmaWarpGroups / kWgM)>, Int<kK>>,
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<Int<kM / kWgM>, Int<kWgCols<kN, kWgM>>, Int<kK>>,
                            kMajorA, kMajorB>(),
       Layout<Shape<Int<kWgM>, Int<kNMmaWarpGroups / kWgM>, _1>>{}));
   // dK/dV from P^T / dS^T in registers: M = the warpgroup's 64 keys, K = block_m queries.
@@ -93,10 +96,9 @@ struct BwdTraits {
   // K's share is its columns of one dQ pass (d = 96 under kSwapSdP: 48, a 32-byte atom).
   template <int kCols>
   using SmemAtomQKV = SmemAtomKMajor<Element, kSwapSdP ? kCols : kCols / 2>;
-  static constexpr int kdQWgCols = kdQCols / (kNMmaWarpGroups / kWgMdQ);
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQKV<kHeadDim>{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQStages>>{}));
   using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kdOStages>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kdQWgCols>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKMajor<Element, kWgCols<kdQCols, kWgMdQ>>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomQKV<kHeadDimV>{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   // dS is double-buffered under kSwapSdP, which lets a warpgroup write step s + 1's dS while the other
   // may still read step s's (no "dS free" barrier); the other schedule has one P and one dS tile.
