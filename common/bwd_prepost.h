@@ -183,8 +183,7 @@ inline dim3 bwd_postprocess_grid(FtFwdParams const& p) {
 // runs at copy bandwidth (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured
 // the same as clearing the block's rows inside the preprocess, with simpler code (no 8-row groups of
 // permuted rows).
-template <class Element, int kHeadDimV>
-LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
+inline LaunchStatus launch_bwd_clear(BwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
   int64_t const elems = p.cu_seqlens_q != nullptr ? int64_t(p.num_heads) * b.dq_accum_head_stride
@@ -200,6 +199,20 @@ LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream)
       return s;
     }
   }
+  return LaunchStatus{};
+}
+
+// The LSE-layout workspaces' extent in elements (one past the last row of the last head).
+inline int64_t bwd_stat_elems(FtFwdParams const& p) {
+  return p.cu_seqlens_q != nullptr
+             ? int64_t(p.num_heads - 1) * p.lse_head_stride + p.rows_q
+             : int64_t(p.batch - 1) * p.lse_batch_stride + int64_t(p.num_heads - 1) * p.lse_head_stride + p.seqlen_q;
+}
+
+template <class Element, int kHeadDimV>
+LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
+  FtFwdParams const& p = params.fwd.abi;
+  if (LaunchStatus s = launch_bwd_clear(params, stream); !s.ok()) { return s; }
   int const row_blocks = (p.seqlen_q + kPrePostRowsPerBlock - 1) / kPrePostRowsPerBlock;
   dim3 const grid(p.num_heads, row_blocks < 65535 ? row_blocks : 65535, p.batch);
   bwd_preprocess_kernel<Element, kHeadDimV><<<grid, kPrePostThreads, 0, stream>>>(params);

@@ -56,6 +56,7 @@
 #include "common/mask.h"
 #include "common/seq_info.h"
 #include "common/special_regs.h"
+#include "hopper/bwd_fused_pre.h"
 #include "hopper/bwd_traits.h"
 #include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
@@ -124,6 +125,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
   constexpr int kdQParts = Traits::kdQParts;
   constexpr int kdQSyncThreads = kNMmaThreads / kdQParts + 32;  // a part's consumers + the dQ writer warp
+  constexpr bool kFusedPre = Traits::kPreStageBytes > 0;  // HopperBwdTile::fused_pre
   BwdParams const& params = kp.bwd;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -136,10 +138,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // rotated instead (dq_rotate, common/block_order.h): query block j takes its adds in the order of the
   // steps at which the KV blocks reach it, which needs a head's KV blocks resident at once. Band masks
   // outside deterministic mode run longest first (common/block_order.h).
-  BlockCoord const cta = band_block_coord(params.pairs_per_section);
-  int const n_block = b.deterministic ? int(gridDim.x) - 1 - cta.block : cta.block;
-  int const bidh_k = cta.bidh, bidb = cta.bidb;
-  SeqInfo const seq(p, bidb);
+  BwdWalk const walk = bwd_walk<kIsBand>(params, band_block_coord(params.pairs_per_section), kBlockM, kBlockN);
+  int const n_block = walk.n_block;
+  int const bidh_k = walk.bidh_k, bidb = walk.bidb;
+  SeqInfo const seq = walk.seq;
   // The postprocess may launch once every CTA of this grid runs; it waits for dq_done (below) or for
   // the grid. This grid in turn waits for the preprocess before reading D and the LSE.
   pdl_launch_dependents();
@@ -149,21 +151,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   auto count_dq_done = [&]() {
     if (params.dq_done_count > 0) { release_bulk_adds(b.dq_done + int64_t(bidb) * p.num_heads_k + bidh_k); }
   };
-  if (n_block * kBlockN >= seq.seqlen_k) {  // uniform over the CTA, before any barrier
+  if (!walk.live) {  // uniform over the CTA, before any barrier
     if (threadIdx.x == 0) { count_dq_done(); }
     return;
   }
-  int m_block_min, m_block_max;
-  q_block_range<kIsBand>(p, seq, n_block, kBlockM, kBlockN, m_block_min, m_block_max);
-  int const num_m_blocks = max(0, m_block_max - m_block_min);
+  int const m_block_min = walk.m_block_min, m_block_max = walk.m_block_max;
+  int const num_m_blocks = walk.num_m_blocks;
   int const group = params.fwd.h_h_k_ratio;
-  int const num_steps = num_m_blocks * group;
+  int const num_steps = walk.num_steps;
   bool const varlen_q = p.cu_seqlens_q != nullptr;
-  // Rotated walks (deterministic mode, common/block_order.h) start at query block n_block, for
-  // sequences with at most one KV block per query block (non-band: m_block_min = 0).
-  int const num_n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
-  bool const rotated = !kIsBand && params.dq_rotate && num_n_blocks <= num_m_blocks;
-  int const m_first = rotated ? n_block : m_block_min;
+  int const num_n_blocks = walk.num_n_blocks;
+  bool const rotated = walk.rotated;
+  int const m_first = walk.m_first;
   // Deterministic mode: the semaphore of query block `m_block` of head `bidh`, and the number of KV
   // blocks whose dQ adds precede this CTA's there. One semaphore per query block: block_m >=
   // FT_BWD_SEMAPHORE_ROWS, so the index stays below the sem_blocks allocated.
@@ -217,6 +216,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if constexpr (kFusedPre) {
+      // ---------------------------------------------------------- fused preprocess (hopper/bwd_fused_pre.h)
+      if (warp_idx >= 2 && warp_idx < 2 + Traits::kPreWarps) {
+        char* const stage = reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->smem_pre[warp_idx - 2];
+        auto pre_walk = [&](int place) {
+          fused_pre_walk<kIsBand, Element, kHeadDimV, kBlockM, kBlockN, Traits::kPreStageBytes>(params, place, stage);
+        };
+        int const place = linear_block_idx();
+        pre_walk(place);
+        if (place + params.num_resident < int(gridDim.x * gridDim.y * gridDim.z)) { pre_walk(place + params.num_resident); }
+        return;
+      }
+    }
     if (num_steps == 0) {
       if (warp_idx == 1 && lane == 0) { count_dq_done(); }
       return;
@@ -457,11 +469,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
   // LSE (exp2 domain) and D of one query row of a step: +inf / 0 past seqlen_q, so P = dS = 0 there.
+  // Under fused_pre the LSE comes from the forward's output and D may still be pending
+  // (hopper/bwd_fused_pre.h): loaded past L1, and settled (reloaded until written) where it is used.
+  auto stat_offset = [&](BwdStep const& st, int row) { return seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row; };
   auto row_stat = [&](BwdStep const& st, int r, bool lse) {
     int const row = st.m_block * kBlockM + r;
-    int64_t const off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row;
+    int64_t const off = stat_offset(st, row);
     if (row >= seq.seqlen_q) { return lse ? INFINITY : 0.f; }
+    if constexpr (kFusedPre) {
+      if (lse) {
+        float const l = p.lse[off];
+        return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+      }
+      return __ldcg(b.dsoftmax_sum + off);
+    }
     return lse ? b.lse_log2[off] : b.dsoftmax_sum[off];
+  };
+  auto settle_stat = [&](float v, BwdStep const& st, int r) {
+    if constexpr (kFusedPre) {
+      while (fused_pre_pending(v)) {
+        __nanosleep(64);
+        v = load_relaxed_gpu(b.dsoftmax_sum + stat_offset(st, st.m_block * kBlockM + r));
+      }
+    }
+    return v;
   };
   // kSwap: the rows' statistics go through shared memory (a thread needs those of all its columns);
   // consumer thread t < 2 * block_m loads LSE (t < block_m) or D of one row, one step ahead.
@@ -470,7 +501,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BwdStep st(bidh_k, group, m_first);
   if (num_steps > 0) {
     if constexpr (kSwap) {
-      if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
+      if (stat_thread) { ss.smem_stats[0][thread_idx] = settle_stat(load_stat(st), st, thread_idx % kBlockM); }
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
     }
     ss.barrier_kv.wait(0);
@@ -596,7 +627,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
              smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
                                          .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
         if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
-        if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
+        if (stat_thread && step + 1 < num_steps) {
+          ss.smem_stats[(step + 1) % 2][thread_idx] = settle_stat(next_stat, next, thread_idx % kBlockM);
+        }
         cutlass::arch::fence_view_async_shared();
         if constexpr (kPingPong) {
           turns.wait();
@@ -646,6 +679,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, acc_s);
         pipeline_do.consumer_wait(read_do);
         wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) { dsum[mi] = settle_stat(dsum[mi], st, get<0>(tScS_rc(mi, 0))); }
         Tensor s = rowcol(acc_s);
         Tensor dp = rowcol(acc_dp);
         if constexpr (kHasSoftcap) {
