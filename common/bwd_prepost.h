@@ -179,10 +179,9 @@ inline dim3 bwd_postprocess_grid(FtFwdParams const& p) {
 }
 
 // The dq accumulator cleared whole (its extent follows from FtBwdParams' layout: padded, batch x the batch
-// stride; varlen, heads x the head stride) with the dq_done counters, then the preprocess. The memset
-// runs at copy bandwidth (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured
-// the same as clearing the block's rows inside the preprocess, with simpler code (no 8-row groups of
-// permuted rows).
+// stride; varlen, heads x the head stride) with the dq_done counters. The memset runs at copy bandwidth
+// (H100: 128 MB in 41 us) and leaves the preprocess a pure read; it measured the same as clearing the
+// block's rows inside the preprocess, with simpler code (no 8-row groups of permuted rows).
 inline LaunchStatus launch_bwd_clear(BwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -209,6 +208,7 @@ inline int64_t bwd_stat_elems(FtFwdParams const& p) {
              : int64_t(p.batch - 1) * p.lse_batch_stride + int64_t(p.num_heads - 1) * p.lse_head_stride + p.seqlen_q;
 }
 
+// The clear, then the preprocess kernel.
 template <class Element, int kHeadDimV>
 LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream) {
   FtFwdParams const& p = params.fwd.abi;

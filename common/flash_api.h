@@ -115,8 +115,8 @@ typedef struct FtFwdParams {
 //                 FT_BWD_ACCUM_ROW_PAD), d); varlen: (heads, total_q + FT_BWD_ACCUM_ROW_PAD * batch, d)
 //                 with batch b's rows starting at cu_seqlens_q[b] + FT_BWD_ACCUM_ROW_PAD * b. Cleared
 //                 whole by the backward; its element order within a head is the kernel's.
-//   dsoftmax_sum: lse's layout; written by the preprocess (rowsum(dout * out) - dlse)
-//   lse_log2:     lse's layout; written by the preprocess (lse * log2(e); +inf for rows without keys)
+//   dsoftmax_sum: lse's layout; written by the backward (rowsum(dout * out) - dlse)
+//   lse_log2:     lse's layout; written by the backward (lse * log2(e); +inf for rows without keys)
 //   dq_semaphore: deterministic mode only (else NULL): int32, batch * num_heads *
 //                 ceil(seqlen_q / FT_BWD_SEMAPHORE_ROWS) elements, zeroed by the caller
 //   dq_done:      optional (NULL: the dq postprocess starts after the main kernel has finished): int32,

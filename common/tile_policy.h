@@ -496,8 +496,12 @@ struct HopperBwdTile {
   // sustained, 1.07-1.16x of cuDNN against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5%
   // below its dq_overlap order (benchmarks/NOTES.md, session 42).
   bool pingpong = false;
-  // D computed inside the main kernel by two producer warps instead of a preprocess kernel
-  // (hopper/bwd_fused_pre.h); they need 40 registers, so the consumers get 232.
+  // D and the exp2-domain LSE computed inside the main kernel by two producer warps instead of a
+  // preprocess kernel (hopper/bwd_fused_pre.h); they need 40 registers (at 24 they spilled), so the
+  // consumers get 232. Off: H200, d 128, against the preprocess kernel, level at 2k-16k without a mask,
+  // 2-3% slower at 1k and 3-6% slower causal at 2k-8k (the 232 registers alone cost ~1%; each CTA
+  // after the first wave whose first blocks are not done yet waits for them; benchmarks/NOTES.md,
+  // session 53).
   bool fused_pre = false;
 };
 

@@ -1,20 +1,21 @@
-// The Hopper backward's walks and its fused preprocess (BwdParams::fused_pre).
+// The Hopper backward's walks and its fused preprocess (HopperBwdTile::fused_pre; off by default:
+// measured slower, benchmarks/NOTES.md session 53).
 //
 // A CTA's walk (BwdWalk): its KV block, head and batch element, and the query blocks it visits, for
 // any place in the launch order, so that a CTA can reason about the walk of another.
 //
 // Fused preprocess: instead of a kernel before the main one, two warps of the producer warpgroup
-// (otherwise idle) compute D = rowsum(dO * O) - dlse of the query blocks, while the consumers run. A
-// block's D is written once, by whichever warp claims it first: abi.dsoftmax_sum starts filled with
-// kFusedPreEmpty (a NaN pattern no arithmetic produces), the claim is a CAS of the block's first row to
-// kFusedPreClaimed, and the rows' values replace the pattern as they are computed. Consumers load D
-// as before and reload while it still holds the pattern (fused_pre_pending). Each CTA's warps claim
-// the blocks of their own walk in order (so a block a consumer waits for is always claimed by a running
-// warp: no deadlock), then those of the CTA launched num_resident places later, which will find them
-// done when it starts: only the first wave waits for its blocks. The LSE is read from the forward's
-// output (times log2 e, +inf for rows without keys) instead of a prepared copy.
-// O and dO rows reach the warp by cp.async through a shared-memory buffer, so the bytes in flight are
-// not bounded by the warp's 24 registers.
+// (otherwise idle) compute D = rowsum(dO * O) - dlse and the LSE in the exp2 domain of the query
+// blocks while the consumers run. A block is done once, by whichever warp claims it first:
+// abi.dsoftmax_sum and abi.lse_log2 start filled with kFusedPreEmpty (a NaN pattern no arithmetic
+// produces), the claim is a CAS of the block's first D row to kFusedPreClaimed, and the rows' values
+// replace the pattern as they are computed. Consumers load both as before and reload while a value
+// still holds the pattern (fused_pre_pending). Each CTA's warps claim the blocks of their own walk in
+// order (so a block a consumer waits for is always claimed by a running warp: no deadlock), then the
+// first ones of the CTA launched num_resident places later (the next in this SM), which then finds
+// them done when it starts. The warps stop claiming when their CTA's consumers finish, so that a short
+// CTA does not hold its SM for them. O and dO rows reach a warp by cp.async through a shared-memory
+// buffer, so that its few registers do not bound the bytes in flight.
 #pragma once
 
 #include <cute/config.hpp>
@@ -154,9 +155,12 @@ CUTE_DEVICE void fused_pre_block(BwdParams const& params, int bidb, int bidh, in
       int64_t const at = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride + row0 + r0 + r;
       float const lse = p.lse[at];
       float const dlse = b.dlse != nullptr ? b.dlse[at] : 0.f;
-      uint32_t bits = __float_as_uint(lse == -INFINITY ? 0.f : dot - dlse);
+      bool const empty = lse == -INFINITY;
+      uint32_t bits = __float_as_uint(empty ? 0.f : dot - dlse);
       if (bits >= kFusedPreClaimed) { bits = 0x7FFFFFFFu; }  // never the pending pattern
       asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(b.dsoftmax_sum + at), "r"(bits) : "memory");
+      float const lse_log2 = empty ? INFINITY : lse * 1.4426950408889634f;  // NaN in: canonical NaN out
+      asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(b.lse_log2 + at), "f"(lse_log2) : "memory");
     }
     __syncwarp();  // the chunk's staging read before the next chunk's copies
   }
@@ -170,25 +174,28 @@ CUTE_DEVICE float* fused_pre_claim_word(BwdParams const& params, BwdWalk const& 
   return params.abi.dsoftmax_sum + w.seq.lse_offset(p, w.bidb) + st.bidh * p.lse_head_stride + st.m_block * kBlockM;
 }
 
-// One warp: claims, in walk order, the blocks of the walk of the CTA at launch place `place` that
-// nobody has, and computes their D. 32 steps' blocks are checked at once (a lane each); the open ones
-// are then claimed in turn. The walk is recomputed from `place` where it is needed.
+// One warp: claims, in walk order, the blocks of the first max_steps steps of the walk of the CTA at
+// launch place `place` that nobody has, and computes their D; stops claiming once *done is set (this
+// CTA's consumers have finished: its SM is not held for work that the CTAs needing it can claim
+// themselves). 32 steps' blocks are checked at once (a lane each); the open ones are then claimed in
+// turn. The walk is recomputed from `place` where it is needed.
 template <bool kIsBand, class Element, int kHeadDimV, int kBlockM, int kBlockN, int kStageBytes>
-CUTE_DEVICE void fused_pre_walk(BwdParams const& params, int place, char* stage) {
+CUTE_DEVICE void fused_pre_walk(BwdParams const& params, int place, int max_steps, int const volatile* done, char* stage) {
   auto walk_of = [&] {
     return bwd_walk<kIsBand>(params, band_block_coord(params.pairs_per_section, opaque(place)), kBlockM, kBlockN);
   };
+  auto stopped = [&] { return __shfl_sync(0xffffffff, *done, 0) != 0; };
   int const lane = threadIdx.x % 32;
   for (int s0 = 0;; s0 += 32) {
     uint32_t open;
     {
       BwdWalk const w = walk_of();
-      if (s0 >= w.num_steps) { return; }
-      bool const mine = s0 + lane < w.num_steps &&
+      if (s0 >= min(w.num_steps, max_steps) || stopped()) { return; }
+      bool const mine = s0 + lane < min(w.num_steps, max_steps) &&
                         __float_as_uint(load_relaxed_gpu(fused_pre_claim_word<kBlockM>(params, w, s0 + lane))) == kFusedPreEmpty;
       open = __ballot_sync(0xffffffff, mine);
     }
-    while (open != 0) {
+    while (open != 0 && !stopped()) {
       int const src = __ffs(open) - 1;
       open &= open - 1;
       BwdWalk const w = walk_of();

@@ -198,6 +198,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const lane = threadIdx.x % 32;
+  if constexpr (kFusedPre) {
+    if (threadIdx.x == 0) { reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->pre_done = 0; }
+  }
   if (warp_idx == 0 && lane == 0) {
     ss.barrier_kv.init(1);
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
@@ -219,13 +222,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (kFusedPre) {
       // ---------------------------------------------------------- fused preprocess (hopper/bwd_fused_pre.h)
       if (warp_idx >= 2 && warp_idx < 2 + Traits::kPreWarps) {
-        char* const stage = reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->smem_pre[warp_idx - 2];
-        auto pre_walk = [&](int place) {
-          fused_pre_walk<kIsBand, Element, kHeadDimV, kBlockM, kBlockN, Traits::kPreStageBytes>(params, place, stage);
+        auto& sf = *reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf);
+        auto pre_walk = [&](int place, int max_steps) {
+          fused_pre_walk<kIsBand, Element, kHeadDimV, kBlockM, kBlockN, Traits::kPreStageBytes>(
+              params, place, max_steps, &sf.pre_done, sf.smem_pre[warp_idx - 2]);
         };
         int const place = linear_block_idx();
-        pre_walk(place);
-        if (place + params.num_resident < int(gridDim.x * gridDim.y * gridDim.z)) { pre_walk(place + params.num_resident); }
+        pre_walk(place, num_steps);
+        // The next wave's CTA in this SM: its first steps (its own warps run ahead of it from there).
+        if (place + params.num_resident < int(gridDim.x * gridDim.y * gridDim.z)) { pre_walk(place + params.num_resident, 32); }
         return;
       }
     }
@@ -469,27 +474,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
   // LSE (exp2 domain) and D of one query row of a step: +inf / 0 past seqlen_q, so P = dS = 0 there.
-  // Under fused_pre the LSE comes from the forward's output and D may still be pending
-  // (hopper/bwd_fused_pre.h): loaded past L1, and settled (reloaded until written) where it is used.
+  // Under the fused preprocess a row's LSE and D may still be pending (hopper/bwd_fused_pre.h): loaded
+  // past L1, and settled (reloaded until written) where they are used.
   auto stat_offset = [&](BwdStep const& st, int row) { return seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row; };
   auto row_stat = [&](BwdStep const& st, int r, bool lse) {
     int const row = st.m_block * kBlockM + r;
     int64_t const off = stat_offset(st, row);
     if (row >= seq.seqlen_q) { return lse ? INFINITY : 0.f; }
-    if constexpr (kFusedPre) {
-      if (lse) {
-        float const l = p.lse[off];
-        return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
-      }
-      return __ldcg(b.dsoftmax_sum + off);
-    }
+    if constexpr (kFusedPre) { return __ldcg((lse ? b.lse_log2 : b.dsoftmax_sum) + off); }
     return lse ? b.lse_log2[off] : b.dsoftmax_sum[off];
   };
-  auto settle_stat = [&](float v, BwdStep const& st, int r) {
+  auto settle_stat = [&](float v, BwdStep const& st, int r, bool lse) {
     if constexpr (kFusedPre) {
       while (fused_pre_pending(v)) {
         __nanosleep(64);
-        v = load_relaxed_gpu(b.dsoftmax_sum + stat_offset(st, st.m_block * kBlockM + r));
+        v = load_relaxed_gpu((lse ? b.lse_log2 : b.dsoftmax_sum) + stat_offset(st, st.m_block * kBlockM + r));
       }
     }
     return v;
@@ -501,7 +500,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BwdStep st(bidh_k, group, m_first);
   if (num_steps > 0) {
     if constexpr (kSwap) {
-      if (stat_thread) { ss.smem_stats[0][thread_idx] = settle_stat(load_stat(st), st, thread_idx % kBlockM); }
+      if (stat_thread) { ss.smem_stats[0][thread_idx] = settle_stat(load_stat(st), st, thread_idx % kBlockM, thread_idx < kBlockM); }
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
     }
     ss.barrier_kv.wait(0);
@@ -628,7 +627,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                          .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
         if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
         if (stat_thread && step + 1 < num_steps) {
-          ss.smem_stats[(step + 1) % 2][thread_idx] = settle_stat(next_stat, next, thread_idx % kBlockM);
+          ss.smem_stats[(step + 1) % 2][thread_idx] = settle_stat(next_stat, next, thread_idx % kBlockM, thread_idx < kBlockM);
         }
         cutlass::arch::fence_view_async_shared();
         if constexpr (kPingPong) {
@@ -680,7 +679,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pipeline_do.consumer_wait(read_do);
         wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
         CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) { dsum[mi] = settle_stat(dsum[mi], st, get<0>(tScS_rc(mi, 0))); }
+        for (int mi = 0; mi < kRows; ++mi) {
+          lse_log2[mi] = settle_stat(lse_log2[mi], st, get<0>(tScS_rc(mi, 0)), true);
+          dsum[mi] = settle_stat(dsum[mi], st, get<0>(tScS_rc(mi, 0)), false);
+        }
         Tensor s = rowcol(acc_s);
         Tensor dp = rowcol(acc_dp);
         if constexpr (kHasSoftcap) {
@@ -784,6 +786,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     put_dq(acc_dq, prev, num_steps == 1);
   }
 
+  if constexpr (kFusedPre) {  // the fused preprocess warps stop claiming blocks
+    if (thread_idx == 0) { *static_cast<int volatile*>(&reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->pre_done) = 1; }
+  }
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }

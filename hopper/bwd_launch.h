@@ -61,15 +61,17 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
 
   DeviceAttrs attrs;
   if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
-  // The fused preprocess (hopper/bwd_fused_pre.h) leaves only the clears before the main kernel, D's
-  // workspace filled with its pending pattern.
+  // The fused preprocess (hopper/bwd_fused_pre.h) leaves only the clears before the main kernel, the D
+  // and LSE workspaces filled with its pending pattern.
   kp.bwd.num_resident = attrs.num_sms;
   if constexpr (Traits::kPreStageBytes > 0) {
     if (LaunchStatus s = launch_bwd_clear(params, stream); !s.ok()) { return s; }
-    if (LaunchStatus s = LaunchStatus::cuda(
-            cudaMemsetAsync(b.dsoftmax_sum, 0xFF, size_t(bwd_stat_elems(p)) * sizeof(float), stream), "D pending fill");
-        !s.ok()) {
-      return s;
+    for (float* stat : {b.dsoftmax_sum, b.lse_log2}) {
+      if (LaunchStatus s = LaunchStatus::cuda(
+              cudaMemsetAsync(stat, 0xFF, size_t(bwd_stat_elems(p)) * sizeof(float), stream), "D / LSE pending fill");
+          !s.ok()) {
+        return s;
+      }
     }
   } else {
     if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }

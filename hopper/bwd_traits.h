@@ -205,6 +205,7 @@ struct BwdTraits {
   struct SharedStorageFused {
     SharedStorage base;
     alignas(128) char smem_pre[kPreWarps][kPreStageBytes > 0 ? kPreStageBytes : 16];
+    int pre_done;  // set once the consumers have finished their walk
   };
   static constexpr int kSmemBytes = int(kPreStageBytes > 0 ? sizeof(SharedStorageFused) : sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
