@@ -44,7 +44,7 @@ struct BwdWalk {
   int n_block, bidh_k, bidb;
   int m_block_min, m_block_max, m_first;
   int num_m_blocks, num_n_blocks, num_steps;
-  bool live;     // the KV block has keys (else the CTA exits at once)
+  bool live;     // the KV block has keys (else the CTA exits at once, and walks nothing)
   bool rotated;  // starts at query block n_block (deterministic mode, common/block_order.h)
 };
 
@@ -62,21 +62,16 @@ CUTE_DEVICE BwdWalk bwd_walk(BwdParams const& params, BlockCoord cta, int block_
   w.live = w.n_block * block_n < w.seq.seqlen_k;
   q_block_range<kIsBand>(p, w.seq, w.n_block, block_m, block_n, w.m_block_min, w.m_block_max);
   w.num_m_blocks = max(0, w.m_block_max - w.m_block_min);
-  w.num_steps = w.live ? w.num_m_blocks * params.fwd.h_h_k_ratio : 0;
+  w.num_steps = w.num_m_blocks * params.fwd.h_h_k_ratio;  // of a live walk
   w.num_n_blocks = (w.seq.seqlen_k + block_n - 1) / block_n;
   w.rotated = !kIsBand && params.dq_rotate && w.num_n_blocks <= w.num_m_blocks;
   w.m_first = w.rotated ? w.n_block : w.m_block_min;
   return w;
 }
 
-// Step idx of a walk, as BwdStep's advance from m_first reaches it.
+// Step idx of a walk.
 CUTE_DEVICE BwdStep bwd_walk_step(BwdWalk const& w, int group, int idx) {
-  int const hop = idx / w.num_m_blocks;
-  int m = w.m_first + (idx - hop * w.num_m_blocks);
-  if (m >= w.m_block_max) { m -= w.num_m_blocks; }
-  BwdStep s(w.bidh_k, group, m);
-  s.bidh += hop;
-  return s;
+  return bwd_step_at(w.bidh_k, group, w.m_block_min, w.m_block_max, w.m_first, idx);
 }
 
 // An opaque copy of v: what is derived from it is recomputed where it is needed instead of being hoisted
@@ -190,7 +185,7 @@ CUTE_DEVICE void fused_pre_walk(BwdParams const& params, int place, int max_step
     uint32_t open;
     {
       BwdWalk const w = walk_of();
-      if (s0 >= min(w.num_steps, max_steps) || stopped()) { return; }
+      if (!w.live || s0 >= min(w.num_steps, max_steps) || stopped()) { return; }
       bool const mine = s0 + lane < min(w.num_steps, max_steps) &&
                         __float_as_uint(load_relaxed_gpu(fused_pre_claim_word<kBlockM>(params, w, s0 + lane))) == kFusedPreEmpty;
       open = __ballot_sync(0xffffffff, mine);
