@@ -12,8 +12,8 @@
 // replace the pattern as they are computed. Consumers load both as before and reload while a value
 // still holds the pattern (fused_pre_pending). Each CTA's warps claim the blocks of their own walk in
 // order (so a block a consumer waits for is always claimed by a running warp: no deadlock), then the
-// first ones of the CTA launched num_resident places later (the next in this SM), which then finds
-// them done when it starts. The warps stop claiming when their CTA's consumers finish, so that a short
+// first ones of the CTA launched num_resident places later (one wave later), which then finds them
+// done when it starts. The warps stop claiming when their CTA's consumers finish, so that a short
 // CTA does not hold its SM for them. O and dO rows reach a warp by cp.async through a shared-memory
 // buffer, so that its few registers do not bound the bytes in flight.
 #pragma once
@@ -98,6 +98,7 @@ CUTE_DEVICE void fused_pre_block(BwdParams const& params, int bidb, int bidh, in
   constexpr int kRows = kFit >= 32 ? 32 : kFit >= 16 ? 16 : kFit >= 8 ? 8 : kFit >= 4 ? 4 : 2;
   static_assert(kFit >= 2 && kBlockM % kRows == 0 && kRows % kCopyRows == 0);
   constexpr int kLanes = 32 / kRows;  // lanes per row in the reduction
+  static_assert(kVecsPerRow % kLanes == 0, "a row's vectors split evenly over its lanes");
   constexpr int kChunkBytes = kRows * kHeadDimV * int(sizeof(Element));  // one tensor's rows of a chunk
   int const lane = threadIdx.x % 32;
   SeqInfo const seq(p, bidb);
@@ -154,8 +155,9 @@ CUTE_DEVICE void fused_pre_block(BwdParams const& params, int bidb, int bidh, in
       uint32_t bits = __float_as_uint(empty ? 0.f : dot - dlse);
       if (bits >= kFusedPreClaimed) { bits = 0x7FFFFFFFu; }  // never the pending pattern
       asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(b.dsoftmax_sum + at), "r"(bits) : "memory");
-      float const lse_log2 = empty ? INFINITY : lse * 1.4426950408889634f;  // NaN in: canonical NaN out
-      asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(b.lse_log2 + at), "f"(lse_log2) : "memory");
+      uint32_t lse_bits = __float_as_uint(empty ? INFINITY : lse * 1.4426950408889634f);
+      if (lse_bits >= kFusedPreClaimed) { lse_bits = 0x7FFFFFFFu; }
+      asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(b.lse_log2 + at), "r"(lse_bits) : "memory");
     }
     __syncwarp();  // the chunk's staging read before the next chunk's copies
   }

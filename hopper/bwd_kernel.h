@@ -143,7 +143,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const bidh_k = walk.bidh_k, bidb = walk.bidb;
   SeqInfo const seq = walk.seq;
   // The postprocess may launch once every CTA of this grid runs; it waits for dq_done (below) or for
-  // the grid. This grid in turn waits for the preprocess before reading D and the LSE.
+  // the grid. This grid in turn waits for the kernel or fill before it (the preprocess, or under the fused
+  // preprocess the workspaces' pending fill) before reading D and the LSE.
   pdl_launch_dependents();
   // Counts this CTA into its (batch, KV head)'s dq_done once its dQ adds have landed (the caller has
   // waited for its bulk reductions to complete). Per CTA, the SC fence of __threadfence + atomicAdd
@@ -222,6 +223,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (kFusedPre) {
       // ---------------------------------------------------------- fused preprocess (hopper/bwd_fused_pre.h)
       if (warp_idx >= 2 && warp_idx < 2 + Traits::kPreWarps) {
+        pdl_wait_prior_grids();  // the workspaces' pending fill (a memset today) is complete
         auto& sf = *reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf);
         auto pre_walk = [&](int place, int max_steps) {
           fused_pre_walk<kIsBand, Element, kHeadDimV, kBlockM, kBlockN, Traits::kPreStageBytes>(
@@ -229,7 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         };
         int const place = linear_block_idx();
         pre_walk(place, num_steps);
-        // The next wave's CTA in this SM: its first steps (its own warps run ahead of it from there).
+        // The CTA launched one wave later (likely on an SM this wave frees): its first steps (its own
+        // warps run ahead of it from there).
         if (place + params.num_resident < int(gridDim.x * gridDim.y * gridDim.z)) { pre_walk(place + params.num_resident, 32); }
         return;
       }
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int const row = st.m_block * kBlockM + r;
     int64_t const off = stat_offset(st, row);
     if (row >= seq.seqlen_q) { return lse ? INFINITY : 0.f; }
-    if constexpr (kFusedPre) { return __ldcg((lse ? b.lse_log2 : b.dsoftmax_sum) + off); }
+    if constexpr (kFusedPre) { return load_relaxed_gpu((lse ? b.lse_log2 : b.dsoftmax_sum) + off); }
     return lse ? b.lse_log2[off] : b.dsoftmax_sum[off];
   };
   auto settle_stat = [&](float v, BwdStep const& st, int r, bool lse) {
