@@ -48,6 +48,17 @@ struct PrePostLayout {
   static_assert(kPasses % kGroup == 0);
 };
 
+// One query row's backward statistics from its forward LSE, the upstream dlse and rowsum(dout * out):
+// D = dot - dlse and the LSE in the exp2 domain; a row that saw no key (LSE -inf) gets D = 0 and
+// lse_log2 = +inf, so that P = exp2(s * scale_log2 - lse_log2) is exactly 0 there. Also the Hopper
+// backward's fused preprocess (hopper/bwd_fused_pre.h).
+CUTE_DEVICE void bwd_row_stats(float lse, float dlse, float dot, float& dsum, float& lse_log2) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  bool const empty = lse == -INFINITY;
+  lse_log2 = empty ? INFINITY : lse * kLog2e;
+  dsum = empty ? 0.f : dot - dlse;
+}
+
 // Grid: (num_heads, ceil(seqlen_q / kPrePostRowsPerBlock), batch): heads fastest, so that blocks
 // running together read whole token rows of O and dO (all heads of a token are contiguous; a single
 // head's row is 128 bytes at d = 64). kHeadDimV: the bucket of head_dim_v.
@@ -58,7 +69,6 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
   int const bidh = blockIdx.x, bidb = blockIdx.z;
   SeqInfo const seq(p, bidb);
   constexpr int kVec = 16 / sizeof(Element);
-  constexpr float kLog2e = 1.4426950408889634f;
   using L = PrePostLayout<kHeadDimV, kVec>;
 
   Element const* o_ptr = static_cast<Element const*>(p.out) + seq.o_offset(p, bidb) + bidh * p.o_head_stride;
@@ -96,9 +106,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
         if (threadIdx.x % L::kThreadsPerRow == 0 && row < seq.seqlen_q_alloc) {
           float const lse = row < seq.seqlen_q ? p.lse[lse_off + row] : -INFINITY;
           float const dlse = b.dlse != nullptr && row < seq.seqlen_q ? b.dlse[lse_off + row] : 0.f;
-          bool const empty = lse == -INFINITY;
-          b.lse_log2[lse_off + row] = empty ? INFINITY : lse * kLog2e;
-          b.dsoftmax_sum[lse_off + row] = empty ? 0.f : dot - dlse;
+          bwd_row_stats(lse, dlse, dot, b.dsoftmax_sum[lse_off + row], b.lse_log2[lse_off + row]);
         }
       }
     }

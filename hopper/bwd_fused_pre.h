@@ -23,6 +23,7 @@
 
 #include "common/block_order.h"
 #include "common/bwd_params.h"
+#include "common/bwd_prepost.h"
 #include "common/seq_info.h"
 
 namespace flashtile::hopper {
@@ -30,7 +31,7 @@ namespace flashtile::hopper {
 constexpr uint32_t kFusedPreEmpty = 0xFFFFFFFFu;
 constexpr uint32_t kFusedPreClaimed = 0xFFFFFFFEu;
 
-// A loaded D value that the fused preprocess has not written yet (LSE values never match).
+// A loaded D or LSE value that the fused preprocess has not written yet.
 CUTE_DEVICE bool fused_pre_pending(float v) { return __float_as_uint(v) >= kFusedPreClaimed; }
 
 CUTE_DEVICE float load_relaxed_gpu(float const* ptr) {
@@ -75,7 +76,7 @@ CUTE_DEVICE BwdStep bwd_walk_step(BwdWalk const& w, int group, int idx) {
 }
 
 // An opaque copy of v: what is derived from it is recomputed where it is needed instead of being hoisted
-// and kept live (the fused preprocess runs in the producer warpgroup's 24 registers).
+// and kept live (the fused preprocess runs in the producer warpgroup's 40 registers).
 CUTE_DEVICE int opaque(int v) {
   asm volatile("mov.b32 %0, %0;" : "+r"(v));
   return v;
@@ -83,8 +84,8 @@ CUTE_DEVICE int opaque(int v) {
 
 // One warp: D of query block m_block of head bidh of batch element bidb (rows below seqlen_q), O and
 // dO staged kRows rows at a time in `stage` (kStageBytes): each lane copies one 16-byte column of a
-// row, several rows apart, through running pointers. Rows without keys (LSE -inf) get 0, as in the
-// preprocess kernel.
+// row, several rows apart, through running pointers. Each row's statistics as in the preprocess
+// kernel (bwd_row_stats).
 template <class Element, int kHeadDimV, int kBlockM, int kStageBytes>
 CUTE_DEVICE void fused_pre_block(BwdParams const& params, int bidb, int bidh, int m_block, char* stage) {
   FtFwdParams const& p = params.fwd.abi;
@@ -149,15 +150,15 @@ CUTE_DEVICE void fused_pre_block(BwdParams const& params, int bidb, int bidh, in
     for (int off = kLanes / 2; off > 0; off /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, off); }
     if (part == 0 && r0 + r < rows) {
       int64_t const at = seq.lse_offset(p, bidb) + bidh * p.lse_head_stride + row0 + r0 + r;
-      float const lse = p.lse[at];
-      float const dlse = b.dlse != nullptr ? b.dlse[at] : 0.f;
-      bool const empty = lse == -INFINITY;
-      uint32_t bits = __float_as_uint(empty ? 0.f : dot - dlse);
-      if (bits >= kFusedPreClaimed) { bits = 0x7FFFFFFFu; }  // never the pending pattern
-      asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(b.dsoftmax_sum + at), "r"(bits) : "memory");
-      uint32_t lse_bits = __float_as_uint(empty ? INFINITY : lse * 1.4426950408889634f);
-      if (lse_bits >= kFusedPreClaimed) { lse_bits = 0x7FFFFFFFu; }
-      asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(b.lse_log2 + at), "r"(lse_bits) : "memory");
+      float dsum, lse_log2;
+      bwd_row_stats(p.lse[at], b.dlse != nullptr ? b.dlse[at] : 0.f, dot, dsum, lse_log2);
+      // Published as the pending pattern's replacement: never the pattern itself.
+      auto publish = [](float* dst, float v) {
+        uint32_t const bits = fused_pre_pending(v) ? 0x7FFFFFFFu : __float_as_uint(v);
+        asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(dst), "r"(bits) : "memory");
+      };
+      publish(b.dsoftmax_sum + at, dsum);
+      publish(b.lse_log2 + at, lse_log2);
     }
     __syncwarp();  // the chunk's staging read before the next chunk's copies
   }

@@ -196,7 +196,8 @@ struct BwdTraits {
   static constexpr int kPreWarps = 2;
   static constexpr int kPreStageBytes = [] {
     for (int bytes = 16384; kTile.fused_pre && bytes >= 4096; bytes /= 2) {
-      if (sizeof(SharedStorage) + 1024 + kPreWarps * bytes <= 227 * 1024 && bytes >= 2 * kHeadDimV * int(sizeof(Element))) {
+      // Two rows of O and dO at least (fused_pre_block's chunks).
+      if (sizeof(SharedStorage) + 1024 + kPreWarps * bytes <= 227 * 1024 && bytes >= 4 * kHeadDimV * int(sizeof(Element))) {
         return bytes;
       }
     }
