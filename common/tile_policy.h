@@ -311,6 +311,10 @@ struct HopperFwdTile {
 #ifndef FLASHTILE_HOPPER_BLOCK_N
 #define FLASHTILE_HOPPER_BLOCK_N -1
 #endif
+// Build-time override of hopper_fwd_head_in_loop (0 never, 1 wherever the schedule allows); -1 = policy.
+#ifndef FLASHTILE_FWD_HEAD_IN_LOOP
+#define FLASHTILE_FWD_HEAD_IN_LOOP -1
+#endif
 // Build-time override of HopperFwdTile::paired_mask (0 off, 1 on); -1 = policy.
 #ifndef FLASHTILE_PAIRED_MASK
 #define FLASHTILE_PAIRED_MASK -1
@@ -375,6 +379,18 @@ constexpr HopperFwdTile hopper_fwd_tile(int head_dim, int head_dim_v, bool tall 
   // d = 256 causal 4k (block_n 80; neutral at its other lengths), so d = 256 keeps a compare per score.
   t.paired_mask = FLASHTILE_PAIRED_MASK >= 0 ? FLASHTILE_PAIRED_MASK == 1 : d <= 128;
   return t;
+}
+
+// Overlapped schedule: whether a tile's first block runs through the steady-state loop body (its PV
+// GEMM replaced by an empty group, the softmax restarted from an empty state, whose correction is then
+// 0) instead of a head of its own, so that a tile runs one copy of the softmax code, not two. H200
+// (benchmarks/NOTES.md session 54), against the separate head: d = 256 causal +0.4% at 512, +0.7-1.2% at
+// 1k, +1-2% at 2k, +1.8-2% at 4k-16k; d = 64 and 128 1-3% slower with either mask, d = 256 non-causal
+// -2% at 512 and level at 1k-2k.
+constexpr bool hopper_fwd_head_in_loop(HopperFwdTile const& t, int head_dim, bool band) {
+  if (!t.intra_wg_overlap) { return false; }
+  if (FLASHTILE_FWD_HEAD_IN_LOOP >= 0) { return FLASHTILE_FWD_HEAD_IN_LOOP == 1; }
+  return head_dim > 192 && band;
 }
 
 // Host heuristic: whether a forward problem runs the tall tile (hopper_fwd_tile(.., true)). Measured

@@ -28,6 +28,10 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
+struct Nop {
+  CUTE_DEVICE void operator()() const {}
+};
+
 template <class Traits>
 struct PingPong {
   static constexpr int kN = Traits::kNMmaWarpGroups;
@@ -130,26 +134,42 @@ CUTE_DEVICE void first_block_softmax(TensorS& tSrS, TensorP& tOrP, TensorC const
 // GEMM while the warpgroup waits for S_j. On entry tOrP / v_state hold the first block's P and V
 // stage, on return the last block's; its PV GEMM is left to the caller (the tile's tail turn).
 // on_last_s runs once the tile's last S GEMM has completed (Q is read no more).
-template <class Traits, bool kIsBand, bool kHasSoftcap, class Pipeline, class PipelineState, class TensorQ,
-          class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax, class OnLastS>
+// kWithHead (hopper_fwd_head_in_loop): the loop starts at the tile's first block, whose turn issues
+// its S GEMM and an empty group for the PV GEMM; on_first_turn runs in that turn before the GEMM (Q's
+// wait), on_first_s right after it is issued. The softmax comes restart()ed and O cleared, so the
+// first block's correction is 0 and it adds to nothing. (An empty group rather than a branch around
+// the waits: with the waits in branches ptxas serialized the WGMMAs, C7514.)
+template <class Traits, bool kIsBand, bool kHasSoftcap, bool kWithHead = false, class Pipeline, class PipelineState,
+          class TensorQ, class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax,
+          class OnLastS, class OnFirstTurn = Nop, class OnFirstS = Nop>
 CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeline_v, PipelineState& read_state,
                               PipelineState& v_state, TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV,
                               TensorO& tOrO, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,
                               Softmax& softmax, float softcap_scale, int m_block, int n_block_min, int n_block_max,
-                              PingPong<Traits> const& turn, OnLastS const& on_last_s) {
+                              PingPong<Traits> const& turn, OnLastS const& on_last_s,
+                              OnFirstTurn const& on_first_turn = {}, OnFirstS const& on_first_s = {}) {
   using Element = typename Traits::Element;
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
   Tensor out = rowcol(tOrO);
   Tensor tOrPa = make_tensor(tOrP.data(), acc_to_a_layout(tOrP.layout()));
-  for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+  for (int n_block = n_block_max - (kWithHead ? 1 : 2); n_block >= n_block_min; --n_block) {
+    bool const first = kWithHead && n_block == n_block_max - 1;
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));
     turn.wait_turn();
+    if (first) { on_first_turn(); }
     pipeline_k.consumer_wait(read_state);
     wg_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-    pipeline_v.consumer_wait(v_state);
-    wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+    if (!first) {
+      pipeline_v.consumer_wait(v_state);
+      wg_gemm<false, -1>(tiled_mma_pv, tOrPa, tOrV(_, _, _, v_state.index()), tOrO);
+    } else {
+      // An empty group in the PV GEMM's place, so that the waits below are the steady state's.
+      warpgroup_arrive();
+      warpgroup_commit_batch();
+    }
     turn.pass_turn(false);
+    if (first) { on_first_s(); }
     warpgroup_wait<1>();  // S_j done; PV may still run
     pipeline_k.consumer_release(read_state);
     if (n_block == n_block_min) { on_last_s(); }
@@ -157,7 +177,7 @@ CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeli
     Tensor scores = rowcol(tSrS);
     softmax.template online<false>(scores);
     warpgroup_wait<0>();  // PV done: O and P may be overwritten
-    pipeline_v.consumer_release(v_state);
+    if (!first) { pipeline_v.consumer_release(v_state); }
     softmax.rescale_o(out);
     Tensor tOrPn = convert_fragment<Element>(tSrS);
     CUTE_UNROLL

@@ -267,6 +267,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDimV = Traits::kHeadDimV;
+  constexpr bool kHeadInLoop = hopper_fwd_head_in_loop(
+      Traits::kTile, Traits::kHeadDim > kHeadDimV ? Traits::kHeadDim : kHeadDimV, kIsBand);
   FwdParams const& params = kp.fwd;
   FtFwdParams const& p = params.abi;
   int const q_shift = kQShift<Traits, kIsBand> ? kp.q_shift : 0;
@@ -793,7 +795,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // previous fill, which the other warpgroups may still be reading). Each skipped block's K is
     // released before its V is waited for: under k_ahead the producer issues V(n) only after K(n - 1),
     // whose stage the K of block n + 1 frees (in the per-block order V(n) follows K(n) alone).
-    auto head = [&](TileWork const& t) {
+    auto skip_blocks = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       if constexpr (kWgSkip<Traits, kIsBand>) {
         // Under kOOverV the producer's next V load waits for this warpgroup's previous O store.
@@ -807,6 +809,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           consumer_v.consumer_release(read_state);
           ++read_state;
         }
+      }
+    };
+    auto head = [&](TileWork const& t) {
+      skip_blocks(t);
+      if constexpr (kHeadInLoop) {
+        // The first block runs in overlap_body (kWithHead).
+        softmax.restart();
+        clear(tOrO);
+        return;
       }
       Tensor tSrS = new_scores();
       turn.wait_turn();
@@ -828,12 +839,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       turn.start();  // once: the turns run on across tiles
       head(w);
       while (true) {  // left by the break after the last tile
-        overlap_body<Traits, kIsBand, kHasSoftcap>(consumer_k, consumer_v, read_state, v_state,
-                                                   tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP, tScS,
-                                                   make_mask(w), softmax, params.softcap_scale, w.coord.m_block,
-                                                   w.n_block_min, n_max_wg, turn, [&] {
-                                                     if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
-                                                   });
+        overlap_body<Traits, kIsBand, kHasSoftcap, kHeadInLoop>(
+            consumer_k, consumer_v, read_state, v_state, tSrQ(_, _, _, q_read_state.index()), tSrK, tOrV, tOrO, tOrP,
+            tScS, make_mask(w), softmax, params.softcap_scale, w.coord.m_block, w.n_block_min, n_max_wg, turn,
+            [&] {
+              if constexpr (Traits::kOOverV) { release_q(q_read_state.index()); }
+            },
+            [&] { pipeline_q.consumer_wait(q_part(q_read_state, kp.pack > 1 ? 0 : wg * (kQParts > 1))); },
+            [&] { finish_store(); });
         // Tail turn: the tile's last PV GEMM. The next tile's geometry is worked out under it: the
         // turn is passed on as if a tile follows whenever one was handed over, and if it proves to have
         // no work (nor any after it), an empty turn closes the ring as the last one would have. Every

@@ -194,6 +194,19 @@ int main() {
   CHECK(hopper_fwd_split_accum_bytes(132, 256, 256) == 0);
   CHECK(hopper_fwd_split_accum_bytes(132, 192, 128) == 0);
   CHECK(hopper_fwd_split_accum_bytes(132, 128, 264) == 0);
+  // The tile head inside the loop: only where measured (d 256 under band masks), and only on the
+  // overlapped schedule, whose loop body it runs through.
+  for (int d : {64, 96, 128, 192, 256}) {
+    for (int tall = 0; tall < 2; ++tall) {
+      for (int band = 0; band < 2; ++band) {
+        HopperFwdTile const t = hopper_fwd_tile(d, d, tall == 1);
+        CHECK(hopper_fwd_head_in_loop(t, d, band == 1) == (d > 192 && band == 1));
+        HopperFwdTile serial = t;
+        serial.intra_wg_overlap = false;
+        CHECK(!hopper_fwd_head_in_loop(serial, d, band == 1));
+      }
+    }
+  }
   std::printf("%d failures\n", failures);
   return failures != 0;
 }
