@@ -81,7 +81,8 @@ struct OnlineSoftmax {
   // Starts a new tile's rows (their first block then goes through online<true>).
   CUTE_DEVICE void reset() { cute::fill(row_max, -INFINITY); }
   // Starts a new tile's rows whose first block goes through online<false>: the empty state's
-  // correction is exp2(-inf) = 0, so the sums (and O, which the caller clears) start from zero.
+  // correction is exp2(-inf) = 0 (scale_log2 > 0), so the sums (and O, which the caller clears) start
+  // from zero.
   CUTE_DEVICE void restart() {
     cute::fill(row_max, -INFINITY);
     cute::fill(row_sum, 0.f);

@@ -28,7 +28,8 @@ namespace flashtile::hopper {
 
 using namespace cute;
 
-struct Nop {
+// A hook that does nothing (overlap_body's first-block hooks when there is no first block).
+struct NoHook {
   CUTE_DEVICE void operator()() const {}
 };
 
@@ -132,16 +133,17 @@ CUTE_DEVICE void first_block_softmax(TensorS& tSrS, TensorP& tOrP, TensorC const
 // Overlap schedule, the steady state of one tile: blocks n_block_max - 2 down to n_block_min, each
 // turn issuing S_j = Q K_j^T and O += P_{j+1} V_{j+1} back to back, so the tensor cores run the PV
 // GEMM while the warpgroup waits for S_j. On entry tOrP / v_state hold the first block's P and V
-// stage, on return the last block's; its PV GEMM is left to the caller (the tile's tail turn).
-// on_last_s runs once the tile's last S GEMM has completed (Q is read no more).
-// kWithHead (hopper_fwd_head_in_loop): the loop starts at the tile's first block, whose turn issues
-// its S GEMM and an empty group for the PV GEMM; on_first_turn runs in that turn before the GEMM (Q's
-// wait), on_first_s right after it is issued. The softmax comes restart()ed and O cleared, so the
-// first block's correction is 0 and it adds to nothing. (An empty group rather than a branch around
-// the waits: with the waits in branches ptxas serialized the WGMMAs, C7514.)
+// stage (the caller's head ran it), on return the last block's; its PV GEMM is left to the caller
+// (the tile's tail turn). on_last_s runs once the tile's last S GEMM has completed (Q is read no more).
+// kWithHead (hopper_fwd_head_in_loop): the loop starts at the tile's first block, n_block_max - 1
+// (tOrP / v_state are not read on entry), whose turn issues its S GEMM and an empty group for the PV
+// GEMM; on_first_turn runs in that turn before the GEMM (Q's wait), on_first_s once the turn is
+// passed. The softmax comes restart()ed and O cleared, so the first block's correction is 0 (for a
+// positive scale, which the API requires) and it adds to nothing. (An empty group rather than a
+// branch around the waits: with the waits in branches ptxas serialized the WGMMAs, C7514.)
 template <class Traits, bool kIsBand, bool kHasSoftcap, bool kWithHead = false, class Pipeline, class PipelineState,
           class TensorQ, class TensorK, class TensorV, class TensorO, class TensorP, class TensorC, class Softmax,
-          class OnLastS, class OnFirstTurn = Nop, class OnFirstS = Nop>
+          class OnLastS, class OnFirstTurn = NoHook, class OnFirstS = NoHook>
 CUTE_DEVICE void overlap_body(Pipeline const& pipeline_k, Pipeline const& pipeline_v, PipelineState& read_state,
                               PipelineState& v_state, TensorQ const& tSrQ, TensorK const& tSrK, TensorV const& tOrV,
                               TensorO& tOrO, TensorP& tOrP, TensorC const& tScS, BandMask const& mask,

@@ -789,12 +789,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     PipelineState v_state;
     // This warpgroup's end of the tile's KV blocks (wg_block_max).
     int n_max_wg = 0;
-    // Head turn of a tile: its first S GEMM, then that block's softmax. Blocks masked whole for this
-    // warpgroup's rows come first in the walk: for each it takes its turn without GEMMs and releases
-    // the K and V stages once they are full (an earlier release could land in the phase of the stage's
-    // previous fill, which the other warpgroups may still be reading). Each skipped block's K is
-    // released before its V is waited for: under k_ahead the producer issues V(n) only after K(n - 1),
-    // whose stage the K of block n + 1 frees (in the per-block order V(n) follows K(n) alone).
+    // Head turn of a tile: its first S GEMM, then that block's softmax (under kHeadInLoop the head
+    // only skips blocks, restarts the softmax and clears O; overlap_body runs the first block). Blocks
+    // masked whole for this warpgroup's rows come first in the walk: for each it takes its turn
+    // without GEMMs and releases the K and V stages once they are full (an earlier release could land
+    // in the phase of the stage's previous fill, which the other warpgroups may still be reading).
+    // Each skipped block's K is released before its V is waited for: under k_ahead the producer issues
+    // V(n) only after K(n - 1), whose stage the K of block n + 1 frees (in the per-block order V(n)
+    // follows K(n) alone).
     auto skip_blocks = [&](TileWork const& t) {
       n_max_wg = wg_block_max<Traits, kIsBand>(p, t, wg, kp.q_per_tile, kp.pack);
       if constexpr (kWgSkip<Traits, kIsBand>) {

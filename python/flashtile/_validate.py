@@ -6,6 +6,7 @@ torch.compile. Device checks come last so that the other checks can be exercised
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -89,6 +90,13 @@ def check_window(window_size: Sequence[int]) -> tuple[int, int]:
 def check_softcap(softcap: float) -> None:
     if softcap < 0:
         _fail("softcap", f"must be >= 0 (0 disables it), got {softcap}")
+
+
+def check_softmax_scale(scale: float) -> None:
+    # The kernels mask scores with -inf before scaling and keep row maxima in the scaled domain, which
+    # holds for a positive scale only (0 would turn masked scores into NaN, a negative one into +inf).
+    if not (math.isfinite(scale) and scale > 0):
+        _fail("softmax_scale", f"must be a finite number > 0, got {scale}")
 
 
 def check_int32_vector(name: str, t: Optional[torch.Tensor], length: int) -> None:

@@ -122,6 +122,7 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         V.check_alignment(name, t)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
+    V.check_softmax_scale(float(softmax_scale))
     if causal:
         right = 0
     band = causal or left >= 0 or right >= 0

@@ -120,6 +120,10 @@ PADDED_CASES = [
     ("window-left-below-minus-1", lambda: padded(window_size=(-2, 0)), ValueError, r"window_size entries must be >= -1"),
     ("window-right-below-minus-1", lambda: padded(window_size=(0, -5)), ValueError, r"window_size entries must be >= -1"),
     ("softcap-negative", lambda: padded(softcap=-1.0), ValueError, r"softcap must be >= 0"),
+    ("scale-zero", lambda: padded(softmax_scale=0.0), ValueError, r"softmax_scale must be a finite number > 0, got 0.0"),
+    ("scale-negative", lambda: padded(softmax_scale=-0.125), ValueError, r"softmax_scale must be a finite number > 0"),
+    ("scale-nan", lambda: padded(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite number > 0, got nan"),
+    ("scale-inf", lambda: padded(softmax_scale=float("inf")), ValueError, r"softmax_scale must be a finite number > 0, got inf"),
     ("q-descale-bf16", lambda: padded(q_descale=torch.ones(B, HK)), ValueError, r"q_descale only applies to float8"),
     # Descale shapes are checked only for float8 inputs, which are not implemented: with bf16 the
     # dtype rule is what a wrong shape meets.
