@@ -18,9 +18,6 @@ struct BwdParams {
   int dq_done_count;
   // 1: deterministic non-band walks start at query block n_block (rotated, common/block_order.h).
   int dq_rotate;
-  // CTAs resident at once (one per SM): under the Hopper backward's fused preprocess
-  // (hopper/bwd_fused_pre.h) a CTA also covers the first steps of the CTA launched this many places later.
-  int num_resident;
 };
 
 inline BwdParams make_bwd_params(FtBwdParams const& abi) {

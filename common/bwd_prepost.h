@@ -50,8 +50,7 @@ struct PrePostLayout {
 
 // One query row's backward statistics from its forward LSE, the upstream dlse and rowsum(dout * out):
 // D = dot - dlse and the LSE in the exp2 domain; a row that saw no key (LSE -inf) gets D = 0 and
-// lse_log2 = +inf, so that P = exp2(s * scale_log2 - lse_log2) is exactly 0 there. Also the Hopper
-// backward's fused preprocess (hopper/bwd_fused_pre.h).
+// lse_log2 = +inf, so that P = exp2(s * scale_log2 - lse_log2) is exactly 0 there.
 CUTE_DEVICE void bwd_row_stats(float lse, float dlse, float dot, float& dsum, float& lse_log2) {
   constexpr float kLog2e = 1.4426950408889634f;
   bool const empty = lse == -INFINITY;
@@ -207,13 +206,6 @@ inline LaunchStatus launch_bwd_clear(BwdParams const& params, cudaStream_t strea
     }
   }
   return LaunchStatus{};
-}
-
-// The LSE-layout workspaces' extent in elements (one past the last row of the last head).
-inline int64_t bwd_stat_elems(FtFwdParams const& p) {
-  return p.cu_seqlens_q != nullptr
-             ? int64_t(p.num_heads - 1) * p.lse_head_stride + p.rows_q
-             : int64_t(p.batch - 1) * p.lse_batch_stride + int64_t(p.num_heads - 1) * p.lse_head_stride + p.seqlen_q;
 }
 
 // The clear, then the preprocess kernel.

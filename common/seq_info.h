@@ -133,16 +133,4 @@ struct BwdStep {
   }
 };
 
-// Step idx of the walk from m_first over [m_block_min, m_block_max) (m_block_max > m_block_min), as the
-// advances from BwdStep(bidh_k, group, m_first) reach it: for a CTA that locates another CTA's steps.
-CUTE_DEVICE BwdStep bwd_step_at(int bidh_k, int group, int m_block_min, int m_block_max, int m_first, int idx) {
-  int const num_m_blocks = m_block_max - m_block_min;
-  int const hop = idx / num_m_blocks;
-  int m = m_first + (idx - hop * num_m_blocks);
-  if (m >= m_block_max) { m -= num_m_blocks; }
-  BwdStep s(bidh_k, group, m);
-  s.bidh += hop;
-  return s;
-}
-
 }  // namespace flashtile

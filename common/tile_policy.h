@@ -512,13 +512,6 @@ struct HopperBwdTile {
   // sustained, 1.07-1.16x of cuDNN against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5%
   // below its dq_overlap order (benchmarks/NOTES.md, session 42).
   bool pingpong = false;
-  // D and the exp2-domain LSE computed inside the main kernel by two producer warps instead of a
-  // preprocess kernel (hopper/bwd_fused_pre.h); they need 40 registers (at 24 they spilled), so the
-  // consumers get 232. Off: H200, d 128, against the preprocess kernel, level at 2k-16k without a mask,
-  // 2-3% slower at 1k and 3-6% slower causal at 2k-8k (the 232 registers alone cost ~1%; each CTA
-  // after the first wave whose first blocks are not done yet waits for them; benchmarks/NOTES.md,
-  // session 53).
-  bool fused_pre = false;
 };
 
 // Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
@@ -542,10 +535,6 @@ struct HopperBwdTile {
 #ifndef FLASHTILE_BWD_PINGPONG
 #define FLASHTILE_BWD_PINGPONG -1
 #endif
-// FLASHTILE_BWD_FUSED_PRE: HopperBwdTile::fused_pre (0 off, 1 on; 64 < d <= 128 only).
-#ifndef FLASHTILE_BWD_FUSED_PRE
-#define FLASHTILE_BWD_FUSED_PRE -1
-#endif
 
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap. It takes
 // dq_lag instead: +1-2% causal, +-1% non-causal on an H100 at 1k-16k (four rounds); at d = 128 dq_lag
@@ -560,11 +549,6 @@ constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
   if (t.block_n == 128 && FLASHTILE_BWD_DQ_LAG >= 0) { t.dq_lag = FLASHTILE_BWD_DQ_LAG == 1; }
   if (FLASHTILE_BWD_PINGPONG >= 0) { t.pingpong = FLASHTILE_BWD_PINGPONG == 1; }
-  if (d > 64 && d <= 128 && FLASHTILE_BWD_FUSED_PRE >= 0) { t.fused_pre = FLASHTILE_BWD_FUSED_PRE == 1; }
-  if (t.fused_pre) {
-    t.producer_regs = 40;
-    t.consumer_regs = 232;
-  }
   if (FLASHTILE_BWD_QDO_STAGES > 0) { t.q_stages = t.do_stages = FLASHTILE_BWD_QDO_STAGES; }
   // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
   if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }

@@ -56,8 +56,8 @@
 #include "common/mask.h"
 #include "common/seq_info.h"
 #include "common/special_regs.h"
-#include "hopper/bwd_fused_pre.h"
 #include "hopper/bwd_traits.h"
+#include "hopper/bwd_walk.h"
 #include "hopper/gmem_tensors.h"
 #include "hopper/named_barriers.h"
 #include "hopper/pipeline_params.h"
@@ -125,7 +125,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kNMmaThreads = Traits::kNMmaThreads;
   constexpr int kdQParts = Traits::kdQParts;
   constexpr int kdQSyncThreads = kNMmaThreads / kdQParts + 32;  // a part's consumers + the dQ writer warp
-  constexpr bool kFusedPre = Traits::kPreStageBytes > 0;  // HopperBwdTile::fused_pre
   BwdParams const& params = kp.bwd;
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -143,8 +142,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const bidh_k = walk.bidh_k, bidb = walk.bidb;
   SeqInfo const seq = walk.seq;
   // The postprocess may launch once every CTA of this grid runs; it waits for dq_done (below) or for
-  // the grid. This grid in turn waits for the kernel or fill before it (the preprocess, or under the fused
-  // preprocess the workspaces' pending fill) before reading D and the LSE.
+  // the grid. This grid in turn waits for the preprocess before reading D and the LSE.
   pdl_launch_dependents();
   // Counts this CTA into its (batch, KV head)'s dq_done once its dQ adds have landed (the caller has
   // waited for its bulk reductions to complete). Per CTA, the SC fence of __threadfence + atomicAdd
@@ -199,9 +197,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const lane = threadIdx.x % 32;
-  if constexpr (kFusedPre) {
-    if (threadIdx.x == 0) { reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->pre_done = 0; }
-  }
   if (warp_idx == 0 && lane == 0) {
     ss.barrier_kv.init(1);
     cute::prefetch_tma_descriptor(kp.tma_q.get_tma_descriptor());
@@ -220,23 +215,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if constexpr (kFusedPre) {
-      // ---------------------------------------------------------- fused preprocess (hopper/bwd_fused_pre.h)
-      if (warp_idx >= 2 && warp_idx < 2 + Traits::kPreWarps) {
-        pdl_wait_prior_grids();  // the workspaces' pending fill (a memset today) is complete
-        auto& sf = *reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf);
-        auto pre_walk = [&](int place, int max_steps) {
-          fused_pre_walk<kIsBand, Element, kHeadDimV, kBlockM, kBlockN, Traits::kPreStageBytes>(
-              params, place, max_steps, &sf.pre_done, sf.smem_pre[warp_idx - 2]);
-        };
-        int const place = linear_block_idx();
-        pre_walk(place, num_steps);
-        // The CTA launched one wave later (likely on an SM this wave frees): its first steps (its own
-        // warps run ahead of it from there).
-        if (place + params.num_resident < int(gridDim.x * gridDim.y * gridDim.z)) { pre_walk(place + params.num_resident, 32); }
-        return;
-      }
-    }
     if (num_steps == 0) {
       if (warp_idx == 1 && lane == 0) { count_dq_done(); }
       return;
@@ -477,24 +455,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BandMask const mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
   float const scale_log2 = params.fwd.scale_log2;
   // LSE (exp2 domain) and D of one query row of a step: +inf / 0 past seqlen_q, so P = dS = 0 there.
-  // Under the fused preprocess a row's LSE and D may still be pending (hopper/bwd_fused_pre.h): loaded
-  // past L1, and settled (reloaded until written) where they are used.
-  auto stat_offset = [&](BwdStep const& st, int row) { return seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row; };
   auto row_stat = [&](BwdStep const& st, int r, bool lse) {
     int const row = st.m_block * kBlockM + r;
-    int64_t const off = stat_offset(st, row);
+    int64_t const off = seq.lse_offset(p, bidb) + st.bidh * p.lse_head_stride + row;
     if (row >= seq.seqlen_q) { return lse ? INFINITY : 0.f; }
-    if constexpr (kFusedPre) { return load_relaxed_gpu((lse ? b.lse_log2 : b.dsoftmax_sum) + off); }
     return lse ? b.lse_log2[off] : b.dsoftmax_sum[off];
-  };
-  auto settle_stat = [&](float v, BwdStep const& st, int r, bool lse) {
-    if constexpr (kFusedPre) {
-      while (fused_pre_pending(v)) {
-        __nanosleep(64);
-        v = load_relaxed_gpu((lse ? b.lse_log2 : b.dsoftmax_sum) + stat_offset(st, st.m_block * kBlockM + r));
-      }
-    }
-    return v;
   };
   // kSwap: the rows' statistics go through shared memory (a thread needs those of all its columns);
   // consumer thread t < 2 * block_m loads LSE (t < block_m) or D of one row, one step ahead.
@@ -503,7 +468,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   BwdStep st(bidh_k, group, m_first);
   if (num_steps > 0) {
     if constexpr (kSwap) {
-      if (stat_thread) { ss.smem_stats[0][thread_idx] = settle_stat(load_stat(st), st, thread_idx % kBlockM, thread_idx < kBlockM); }
+      if (stat_thread) { ss.smem_stats[0][thread_idx] = load_stat(st); }
       cutlass::arch::NamedBarrier::sync(kNMmaThreads, int(BwdNamedBarrier::kPdSFull));
     }
     ss.barrier_kv.wait(0);
@@ -629,9 +594,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
              smem_thr_ds.partition_D(as_position_independent_swizzle_tensor(sdSt(_, _, ds_stage))
                                          .compose(make_tile(Layout<Int<kBlockN>>{}, typename Traits::dQRowPermInv{}))));
         if constexpr (kOverlap) { dv_gemm(); }  // behind the dS stores
-        if (stat_thread && step + 1 < num_steps) {
-          ss.smem_stats[(step + 1) % 2][thread_idx] = settle_stat(next_stat, next, thread_idx % kBlockM, thread_idx < kBlockM);
-        }
+        if (stat_thread && step + 1 < num_steps) { ss.smem_stats[(step + 1) % 2][thread_idx] = next_stat; }
         cutlass::arch::fence_view_async_shared();
         if constexpr (kPingPong) {
           turns.wait();
@@ -681,11 +644,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wg_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, acc_s);
         pipeline_do.consumer_wait(read_do);
         wg_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, acc_dp);
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          lse_log2[mi] = settle_stat(lse_log2[mi], st, get<0>(tScS_rc(mi, 0)), true);
-          dsum[mi] = settle_stat(dsum[mi], st, get<0>(tScS_rc(mi, 0)), false);
-        }
         Tensor s = rowcol(acc_s);
         Tensor dp = rowcol(acc_dp);
         if constexpr (kHasSoftcap) {
@@ -789,9 +747,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     put_dq(acc_dq, prev, num_steps == 1);
   }
 
-  if constexpr (kFusedPre) {  // the fused preprocess warps stop claiming blocks
-    if (thread_idx == 0) { *static_cast<int volatile*>(&reinterpret_cast<typename Traits::SharedStorageFused*>(smem_buf)->pre_done) = 1; }
-  }
   // Epilogue: dK (scaled once here) and dV staged over K and V, then 16-byte predicated stores.
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) { acc_dk(i) *= p.softmax_scale; }

@@ -59,28 +59,14 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
                               Shape<Int<Traits::kdQPartRows>, Int<Traits::kdQPartCols>>{}, _1{});
   }
 
-  DeviceAttrs attrs;
-  if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
-  // The fused preprocess (hopper/bwd_fused_pre.h) leaves only the clears before the main kernel, the D
-  // and LSE workspaces filled with its pending pattern.
-  kp.bwd.num_resident = attrs.num_sms;
-  if constexpr (Traits::kPreStageBytes > 0) {
-    if (LaunchStatus s = launch_bwd_clear(params, stream); !s.ok()) { return s; }
-    for (float* stat : {b.dsoftmax_sum, b.lse_log2}) {
-      if (LaunchStatus s = LaunchStatus::cuda(
-              cudaMemsetAsync(stat, 0xFF, size_t(bwd_stat_elems(p)) * sizeof(float), stream), "D / LSE pending fill");
-          !s.ok()) {
-        return s;
-      }
-    }
-  } else {
-    if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }
-  }
+  if (LaunchStatus s = launch_bwd_preprocess<Element, kHeadDimV>(params, stream); !s.ok()) { return s; }
   dim3 const grid((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.num_heads_k, p.batch);
   kp.bwd.pairs_per_section = bwd_pairs_per_section<Element, kHeadDim, kHeadDimV>(params, kIsBand, grid, 2048);
   // The dQ writer counts its CTA into dq_done once its adds have landed (not under kdQRed, where the
   // consumers add from registers); a (batch, KV head) is done at grid.x counts.
   kp.bwd.dq_done_count = !Traits::kdQRed && b.dq_done != nullptr ? int(grid.x) : 0;
+  DeviceAttrs attrs;
+  if (LaunchStatus s = device_attrs(p.device, attrs); !s.ok()) { return s; }
   kp.bwd.dq_rotate = bwd_dq_rotate(params, kIsBand, grid, attrs.num_sms);
   if (LaunchStatus s = LaunchStatus::cuda(launch_dependent(kernel, grid, dim3(Traits::kNThreads), kSmem, stream, kp),
                                           "hopper bwd_kernel launch");

@@ -189,26 +189,7 @@ struct BwdTraits {
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename PipelinedO::SharedStorage pipeline_do;
   };
-  static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
-  // HopperBwdTile::fused_pre (hopper/bwd_fused_pre.h): a cp.async staging buffer for O and dO rows per
-  // preprocessing warp (two), the largest of 16 / 8 / 4 KB that fits beside the rest; 0: no fused
-  // preprocess (the launcher runs the preprocess kernel).
-  static constexpr int kPreWarps = 2;
-  static constexpr int kPreStageBytes = [] {
-    for (int bytes = 16384; kTile.fused_pre && bytes >= 4096; bytes /= 2) {
-      // Two rows of O and dO at least (fused_pre_block's chunks).
-      if (sizeof(SharedStorage) + 1024 + kPreWarps * bytes <= 227 * 1024 && bytes >= 4 * kHeadDimV * int(sizeof(Element))) {
-        return bytes;
-      }
-    }
-    return 0;
-  }();
-  struct SharedStorageFused {
-    SharedStorage base;
-    alignas(128) char smem_pre[kPreWarps][kPreStageBytes > 0 ? kPreStageBytes : 16];
-    int pre_done;  // set once the consumers have finished their walk
-  };
-  static constexpr int kSmemBytes = int(kPreStageBytes > 0 ? sizeof(SharedStorageFused) : sizeof(SharedStorage));
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "sm_90 allows 227 KB of shared memory per block");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesdO = kBlockM * kHeadDimV * sizeof(Element);

@@ -8,10 +8,8 @@ checks what the kernels rely on:
   - within a section the CTAs go block rank by block rank (the longest first) over the section's
     pairs, and sections follow each other;
   - pairs_per_section <= 0 is the plain order;
-  - the coordinates of a launch place (band_block_coord(pps, idx), by which a backward CTA finds the
-    walk of the CTA launched idx - its own place later) are those the CTA at that place gets;
-  - bwd_step_at (common/seq_info.h) gives the step that BwdStep's advances reach, plain and rotated,
-    over several query heads;
+  - the coordinates of a launch place (band_block_coord(pps, idx), on which band_block_coord(pps) is
+    built) are those the CTA at that place gets;
   - the Hopper forward's tile order (lead_section_order) is a bijection onto (rank, pair) that takes
     the lead pairs first, group by group and rank by rank in a group, then the other pairs in sections;
   - the section sizes the launchers compute are powers of two that fit the L2 share (or 1), never
@@ -35,7 +33,6 @@ static dim3 blockIdx, gridDim;
 using std::max;
 using std::min;
 #include "common/block_order.h"
-#include "common/seq_info.h"
 using namespace flashtile;
 
 static int failures = 0;
@@ -189,18 +186,6 @@ int main() {
 
   for (int num_m = 1; num_m <= 40; ++num_m)
     for (int num_n = 1; num_n <= num_m; ++num_n) check_rotated(num_n, num_m);
-  // bwd_step_at against the advances, for query-block ranges starting at 0 or later and every start.
-  for (int lo = 0; lo <= 3; lo += 3)
-    for (int hi = lo + 1; hi <= lo + 9; ++hi)
-      for (int first = lo; first < hi; ++first)
-        for (int group = 1; group <= 3; ++group) {
-          BwdStep st(2, group, first);
-          for (int idx = 0; idx < (hi - lo) * group; ++idx, st.advance(lo, hi, first)) {
-            BwdStep const at = bwd_step_at(2, group, lo, hi, first, idx);
-            check(at.bidh == st.bidh && at.m_block == st.m_block, "bwd_step_at: [%d, %d) from %d, group %d, step %d", lo,
-                  hi, first, group, idx);
-          }
-        }
   check(rotated_dq_turn(0, 0, 1, 1) == 0, "rotated: a single KV block");
   check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), false, dim3{32, 8, 4}, 132) == 1, "deterministic, unmasked: not rotated");
   check(bwd_dq_rotate(bwd_params(4096, 8, 8, 1), true, dim3{32, 8, 4}, 132) == 0, "rotated under a band mask");
