@@ -7,6 +7,7 @@ torch.compile. Device checks come last so that the other checks can be exercised
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -29,8 +30,8 @@ def check_tensor(name: str, t, ndim: int) -> None:
         _fail(name, f"must have a contiguous last dimension (stride(-1) == 1), got strides {tuple(t.stride())}")
 
 
-def dtype_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def dtype_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: Sequence[str] = ("q", "k", "v")) -> str:
+    for name, t in zip(names, (q, k, v)):
         if t.dtype in FP8_DTYPES:
             raise NotImplementedError(
                 f"flashtile: FP8 attention ({name}.dtype={t.dtype}) is not implemented in this version; "
@@ -38,7 +39,7 @@ def dtype_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"flashtile: {name} must be float16 or bfloat16, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"flashtile: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"flashtile: {', '.join(names)} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     return SUPPORTED_DTYPES[q.dtype]
 
 
@@ -73,23 +74,28 @@ def check_data_alignment(name: str, t: torch.Tensor) -> None:
         _fail(name, "data pointer must be 16-byte aligned")
 
 
-def check_heads(nheads: int, nheads_k: int) -> None:
+def check_heads(nheads: int, nheads_k: int, name: str = "k") -> None:
     if nheads_k <= 0 or nheads % nheads_k != 0:
-        _fail("k", f"has {nheads_k} heads; the number of query heads ({nheads}) must be a multiple of it")
+        _fail(name, f"has {nheads_k} heads; the number of query heads ({nheads}) must be a multiple of it")
 
 
 def check_window(window_size: Sequence[int]) -> tuple[int, int]:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         _fail("window_size", f"must be a (left, right) pair, got {window_size!r}")
-    left, right = (int(x) for x in window_size)
+    try:
+        left, right = (operator.index(x) for x in window_size)  # int(2.5) would quietly narrow the window
+    except TypeError:
+        _fail("window_size", f"entries must be integers, got {tuple(window_size)!r}")
     if left < -1 or right < -1:
         _fail("window_size", f"entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
     return left, right
 
 
 def check_softcap(softcap: float) -> None:
-    if softcap < 0:
-        _fail("softcap", f"must be >= 0 (0 disables it), got {softcap}")
+    # NaN fails every comparison, so the kernels would silently run without softcap; inf makes every
+    # score NaN (softcap * tanh(s / softcap) = inf * 0).
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail("softcap", f"must be >= 0 and finite (0 disables it), got {softcap}")
 
 
 def check_softmax_scale(scale: float) -> None:

@@ -61,10 +61,12 @@ def _validated_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ma
 
 def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_size, softcap, descales, path, deterministic=False, pack_gqa=None,
-             num_splits=0):
+             num_splits=0, names=("k", "v", "seqused_k")):
     """Shared validation + dispatch for the padded and packed layouts. num_splits: None or <= 0 (as in
     FA3, the library's choice: it may split the last partial wave's tiles along the keys) or 1 (never
-    split); larger values are rejected by the callers (_check_unsupported)."""
+    split); larger values are rejected by the callers (_check_unsupported). names: what the caller
+    calls k, v and seqused_k, for error messages (flash_attn_with_kvcache has k and v arguments of its
+    own, the keys to append)."""
     key = None
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         V._fail("pack_gqa", f"must be None (heuristic), True or False, got {pack_gqa!r}")
@@ -82,18 +84,19 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         if args is not None:
             return _fwd_op_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *args)
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    k_name, v_name, seqused_k_name = names
     V.check_tensor("q", q, 3 if varlen_q else 4)
-    V.check_tensor("k", k, 3 if varlen_k else 4)
-    V.check_tensor("v", v, 3 if varlen_k else 4)
-    dtype = V.dtype_name(q, k, v)
+    V.check_tensor(k_name, k, 3 if varlen_k else 4)
+    V.check_tensor(v_name, v, 3 if varlen_k else 4)
+    dtype = V.dtype_name(q, k, v, ("q", k_name, v_name))
     nheads, d = q.shape[-2], q.shape[-1]
     nheads_k, dv = k.shape[-2], v.shape[-1]
     V.check_head_dims(d, dv)
     if k.shape[-1] != d:
-        V._fail("k", f"head dim ({k.shape[-1]}) must equal q's ({d})")
+        V._fail(k_name, f"head dim ({k.shape[-1]}) must equal q's ({d})")
     if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        V._fail("v", f"shape {tuple(v.shape)} must match k's {tuple(k.shape)} except the last dim")
-    V.check_heads(nheads, nheads_k)
+        V._fail(v_name, f"shape {tuple(v.shape)} must match {k_name}'s {tuple(k.shape)} except the last dim")
+    V.check_heads(nheads, nheads_k, k_name)
     if varlen_q:
         batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else -1
         if batch < 0:
@@ -110,15 +113,15 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
             V._fail("max_seqlen_k", f"must be given as an int >= 0 with cu_seqlens_k, got {max_seqlen_k}")
     else:
         if k.shape[0] != batch:
-            V._fail("k", f"batch size {k.shape[0]} must equal q's ({batch})")
+            V._fail(k_name, f"batch size {k.shape[0]} must equal q's ({batch})")
         max_seqlen_k = k.shape[1]
     V.check_int32_vector("seqused_q", seqused_q, batch)
-    V.check_int32_vector("seqused_k", seqused_k, batch)
+    V.check_int32_vector(seqused_k_name, seqused_k, batch)
     left, right = V.check_window(window_size)
     softcap = float(softcap)
     V.check_softcap(softcap)
     V.check_descales(batch, nheads_k, q, descales)
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
         V.check_alignment(name, t)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
@@ -127,8 +130,8 @@ def _forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         right = 0
     band = causal or left >= 0 or right >= 0
     path_id = _resolve_path(path)
-    V.check_same_device(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             seqused_q=seqused_q, seqused_k=seqused_k))
+    V.check_same_device({"q": q, k_name: k, v_name: v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                         "seqused_q": seqused_q, seqused_k_name: seqused_k})
     if not torch.compiler.is_compiling():
         # Reads build_config.json: not traceable; under torch.compile the op itself reports a missing kernel.
         require_kernel(op="fwd", dtype=dtype, head_dim=d, head_dim_v=dv, band=band, softcap=softcap > 0, path=path)
@@ -145,7 +148,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     """Attention over q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d[_v]).
 
     causal masks are bottom-right aligned; window_size=(left, right) keeps keys j with
-    i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded); rows that see no key give 0.
+    i + sk - sq - left <= j <= i + sk - sq + right (-1 = unbounded); rows that see no key give 0 and
+    lse -inf (the logsumexp of no scores; FA2/FA3 store +inf there).
     Returns out, or (out, softmax_lse) with lse (batch, nheads, seqlen_q) if return_attn_probs.
     Differentiable (w.r.t. q, k, v, through out and lse); deterministic=True makes the backward pass
     bitwise reproducible (dq accumulated in a fixed order; somewhat slower).
@@ -197,6 +201,9 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     else:
         if num_heads_q is None:
             V._fail("num_heads_q", "is required when qkv has shape (batch, seqlen, nheads_q + 2 * nheads_k, d)")
+        if not hasattr(num_heads_q, "__index__") or num_heads_q <= 0:
+            # 0 would pass every later check and return an empty output (q with no heads).
+            V._fail("num_heads_q", f"must be a positive int, got {num_heads_q!r}")
         nk2 = qkv.shape[2] - num_heads_q
         if nk2 <= 0 or nk2 % 2:
             V._fail("num_heads_q", f"({num_heads_q}) leaves {nk2} heads for k and v; expected an even positive count")
@@ -239,7 +246,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                         seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q, max_seqlen_k=None,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                         descales=(q_descale, k_descale, v_descale), path=path, deterministic=False,
-                        pack_gqa=pack_gqa, num_splits=num_splits)
+                        pack_gqa=pack_gqa, num_splits=num_splits, names=("k_cache", "v_cache", "cache_seqlens"))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -430,6 +430,17 @@ def test_api_validation_runs_under_fake_mode(fake_cuda, recorded):
     assert recorded["op"] == []
 
 
+def test_kvcache_device_check_names_cache_seqlens(fake_cuda, recorded):
+    """flash_attn_with_kvcache's cache lengths are checked under its own argument name (the op calls
+    them seqused_k)."""
+    with fake_cuda:
+        q, k_cache, v_cache = _fake_qkv(2, 1, 16, 4, 2, 128)
+        lens = torch.tensor([3, 16], dtype=torch.int32)  # on the CPU
+        with pytest.raises(ValueError, match=r"^flashtile: cache_seqlens must be on a CUDA device, got cpu"):
+            flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+    assert recorded["op"] == []
+
+
 def test_fake_cuda_outputs_keep_device(fake_cuda):
     with fake_cuda:
         q, k, v = _fake_qkv(2, 3, 4, 2, 1, 64)

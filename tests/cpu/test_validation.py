@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,9 +118,15 @@ PADDED_CASES = [
     ("batch", lambda: flash_attn_func(_q(), *qkv(b=B + 1)[1:]), ValueError, r"\bk batch size 3 must equal q's \(2\)"),
     ("window-len-3", lambda: padded(window_size=(1, 2, 3)), ValueError, r"window_size must be a \(left, right\) pair"),
     ("window-int", lambda: padded(window_size=5), ValueError, r"window_size must be a \(left, right\) pair"),
+    # int(2.5) would narrow the window to 2 without a word.
+    ("window-float", lambda: padded(window_size=(2.5, 0)), ValueError, r"window_size entries must be integers, got \(2\.5, 0\)"),
+    ("window-none", lambda: padded(window_size=(None, None)), ValueError, r"window_size entries must be integers"),
     ("window-left-below-minus-1", lambda: padded(window_size=(-2, 0)), ValueError, r"window_size entries must be >= -1"),
     ("window-right-below-minus-1", lambda: padded(window_size=(0, -5)), ValueError, r"window_size entries must be >= -1"),
     ("softcap-negative", lambda: padded(softcap=-1.0), ValueError, r"softcap must be >= 0"),
+    # NaN compares false with 0, which the kernels read as "softcap off"; inf turns every score into NaN.
+    ("softcap-nan", lambda: padded(softcap=float("nan")), ValueError, r"softcap must be >= 0 and finite .*got nan"),
+    ("softcap-inf", lambda: padded(softcap=float("inf")), ValueError, r"softcap must be >= 0 and finite .*got inf"),
     ("scale-zero", lambda: padded(softmax_scale=0.0), ValueError, r"softmax_scale must be a finite number > 0, got 0.0"),
     ("scale-negative", lambda: padded(softmax_scale=-0.125), ValueError, r"softmax_scale must be a finite number > 0"),
     ("scale-nan", lambda: padded(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite number > 0, got nan"),
@@ -207,8 +214,23 @@ KVCACHE_CASES = [
     ("cache-seqlens-too-long", with_(flash_attn_with_kvcache, cache_seqlens=17), ValueError,
      r"cache_seqlens \(17\) must be in \[0, 16\]"),
     ("cache-seqlens-negative", with_(flash_attn_with_kvcache, cache_seqlens=-1), ValueError, r"cache_seqlens"),
+    # Errors name this function's arguments: k and v are its keys to append, seqused_k is not one of them.
     ("cache-seqlens-dtype", with_(flash_attn_with_kvcache, cache_seqlens=torch.full((B,), 5)), ValueError,
-     r"seqused_k must be torch\.int32"),
+     r"^flashtile: cache_seqlens must be torch\.int32, got torch\.int64"),
+    ("cache-seqlens-length", with_(flash_attn_with_kvcache, cache_seqlens=torch.full((B + 1,), 5, dtype=torch.int32)),
+     ValueError, r"^flashtile: cache_seqlens must have shape \(2,\), got \(3,\)"),
+    ("k-cache-float32", with_(flash_attn_with_kvcache, k_cache=t(B, 16, HK, D, dtype=torch.float32)), TypeError,
+     r"^flashtile: k_cache must be float16 or bfloat16"),
+    ("v-cache-fp16", with_(flash_attn_with_kvcache, v_cache=t(B, 16, HK, D, dtype=torch.float16)), TypeError,
+     r"^flashtile: q, k_cache, v_cache must share one dtype"),
+    ("k-cache-heads", with_(flash_attn_with_kvcache, k_cache=t(B, 16, 3, D), v_cache=t(B, 16, 3, D)), ValueError,
+     r"^flashtile: k_cache has 3 heads"),
+    ("k-cache-hdim", with_(flash_attn_with_kvcache, k_cache=t(B, 16, HK, 64)), ValueError,
+     r"^flashtile: k_cache head dim \(64\) must equal q's \(128\)"),
+    ("v-cache-seqlen", with_(flash_attn_with_kvcache, v_cache=t(B, 17, HK, D)), ValueError,
+     r"^flashtile: v_cache shape \(2, 17, 2, 128\) must match k_cache's \(2, 16, 2, 128\)"),
+    ("k-cache-row-stride", with_(flash_attn_with_kvcache, k_cache=t(B, 16, HK, D + 4)[..., :D]), ValueError,
+     r"^flashtile: k_cache stride\(2\) = 132 must be a multiple of 8 elements"),
     ("cache-batch", with_(flash_attn_with_kvcache, k_cache=t(B + 1, 16, HK, D), v_cache=t(B + 1, 16, HK, D)),
      ValueError, r"k_cache batch size 3 must equal q's \(2\)"),
     ("k-cache-3d", with_(flash_attn_with_kvcache, k_cache=t(16, HK, D)), ValueError, r"k_cache must have 4 dims"),
@@ -234,6 +256,13 @@ QKVPACKED_CASES = [
      r"num_heads_q \(4\) leaves 3 heads for k and v"),
     ("4d-no-kv", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 4, D), num_heads_q=4), ValueError,
      r"num_heads_q \(4\) leaves 0 heads"),
+    # 0 query heads would pass every other check and return an empty output.
+    ("4d-zero-q-heads", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 8, D), num_heads_q=0), ValueError,
+     r"num_heads_q must be a positive int, got 0"),
+    ("4d-negative-q-heads", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 8, D), num_heads_q=-2), ValueError,
+     r"num_heads_q must be a positive int, got -2"),
+    ("4d-float-q-heads", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 8, D), num_heads_q=4.0), ValueError,
+     r"num_heads_q must be a positive int, got 4\.0"),
     ("4d-gqa-not-divisible", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 11, D), num_heads_q=5), ValueError,
      r"\bk has 3 heads"),
     ("float32", with_(flash_attn_qkvpacked_func, qkv=t(B, SQ, 3, H, D, dtype=torch.float32)), TypeError,
@@ -293,6 +322,7 @@ VALID = [
     ("gqa-causal", dict(h=6, hk=2, causal=True)),
     ("mqa-window", dict(h=4, hk=1, window_size=(16, 0))),
     ("window-list", dict(window_size=[-1, 3])),
+    ("window-int-likes", dict(window_size=(torch.tensor(8), np.int64(0)))),
     ("softcap-scale", dict(softcap=30.0, softmax_scale=0.1)),
     ("hdim-64", dict(d=64)),
     ("hdim-80", dict(d=80)),
