@@ -1,0 +1,114 @@
+"""Sustained attention throughput of one library build, for A/B comparisons of kernel variants.
+
+Runs back-to-back calls on DESIGN.md §6 shapes (16k tokens, hidden 2048, bf16) and prints TFLOP/s per
+shape. Two libraries are compared by running this script in alternating processes with
+FLASHTILE_LIBRARY_DIR pointing at each build (rounds in one process are not independent: clocks and
+power settle per process). Modes:
+  eager  calls from Python for ~SECS seconds between CUDA events (what a user's loop sees);
+  graph  a CUDA graph of 20 forward calls replayed (GPU time only: no host path in the figure; the
+         backward through autograd does not capture here, for any implementation).
+--impl cudnn times PyTorch SDPA's cuDNN backend on the same shapes instead.
+
+  python tools/sustained.py LABEL --hdims 64,128 --seqlens 512,2048 --causal both [--bwd] [--mode graph]
+"""
+import argparse
+import sys
+
+import torch
+
+TOKENS, HIDDEN = 16384, 2048
+
+
+def make_call(impl, q, k, v, causal, bwd, dout):
+    if impl == "flashtile":
+        import flashtile
+
+        fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    if not bwd:
+        return fwd
+    out = fwd()  # the backward alone is timed, through autograd
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def time_eager(f, secs):
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    f()
+    e1.record()
+    torch.cuda.synchronize()
+    n = max(10, int(secs * 1000 / max(e0.elapsed_time(e1), 1e-3)))
+    e0.record()
+    for _ in range(n):
+        f()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def time_graph(f, calls=20, replays=20):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: workspaces and plans are made here
+        for _ in range(3):
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / (calls * replays)
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("label", help="printed at the start of each line (the build's name)")
+    p.add_argument("--hdims", type=ints, default=[64, 128, 256])
+    p.add_argument("--seqlens", type=ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--bwd", action="store_true", help="time the backward pass (2.5x the forward's FLOPs)")
+    p.add_argument("--mode", choices=("eager", "graph"), default="eager")
+    p.add_argument("--secs", type=float, default=0.3, help="eager: seconds of calls per shape")
+    p.add_argument("--impl", choices=("flashtile", "cudnn"), default="flashtile")
+    args = p.parse_args(argv)
+    if args.bwd and args.mode == "graph":
+        p.error("--mode graph times the forward only")
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    for d in args.hdims:
+        for causal in causals:
+            for s in args.seqlens:
+                b, h = TOKENS // s, HIDDEN // d
+                q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                for t in (q, k, v):
+                    t.requires_grad_(args.bwd)
+                f = make_call(args.impl, q, k, v, causal, args.bwd, dout)
+                ms = time_eager(f, args.secs) if args.mode == "eager" else time_graph(f)
+                flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if args.bwd else 1.0)
+                print(f"{args.label} d{d} {'c' if causal else 'nc'} {s} {'bwd' if args.bwd else 'fwd'}: "
+                      f"{flops / ms / 1e9:.1f} TFLOP/s ({ms * 1e3:.1f} us)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
