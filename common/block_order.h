@@ -111,28 +111,15 @@ CUTE_HOST_DEVICE void lead_section_order(int idx, int num_blocks, int num_pairs,
   }
 }
 
-// The CTA's place in the grid's linear launch order (x fastest).
-CUTE_DEVICE int linear_block_idx() {
-  return int(blockIdx.x) + int(gridDim.x) * (int(blockIdx.y) + int(gridDim.y) * int(blockIdx.z));
-}
-
-// The coordinates of the CTA at place idx of the launch order; block is its rank (0 first: the caller
-// maps it to the longest block). pairs_per_section > 0: the section order; <= 0: the plain order.
-CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section, int idx) {
+// The coordinates of this CTA; block is its rank in launch order (0 first: the caller maps it to the
+// longest block). pairs_per_section > 0: the section order; <= 0: the plain order.
+CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
+  if (pairs_per_section <= 0) { return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}; }
+  int const idx = int(blockIdx.x) + int(gridDim.x) * (int(blockIdx.y) + int(gridDim.y) * int(blockIdx.z));
   int const num_blocks = gridDim.x, num_heads = gridDim.y, num_pairs = gridDim.y * gridDim.z;
-  if (pairs_per_section <= 0) {
-    int const pair = idx / num_blocks;
-    return {idx - pair * num_blocks, pair % num_heads, pair / num_heads};
-  }
   int block, pair;
   section_order(idx, num_blocks, num_pairs, pairs_per_section, block, pair);
   return {block, pair % num_heads, pair / num_heads};
-}
-
-// This CTA's coordinates.
-CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
-  if (pairs_per_section <= 0) { return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}; }
-  return band_block_coord(pairs_per_section, linear_block_idx());
 }
 
 // Rotated backward walks (deterministic mode, non-band masks). Every KV block walks all query blocks;

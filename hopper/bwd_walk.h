@@ -1,5 +1,5 @@
 // The Hopper backward's walks (BwdWalk): a CTA's KV block, head and batch element, and the query
-// blocks it visits, for any place in the launch order (bwd_walk, from band_block_coord's coordinates).
+// blocks it visits (bwd_walk, from band_block_coord's coordinates).
 #pragma once
 
 #include <cute/config.hpp>

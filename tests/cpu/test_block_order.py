@@ -8,8 +8,6 @@ checks what the kernels rely on:
   - within a section the CTAs go block rank by block rank (the longest first) over the section's
     pairs, and sections follow each other;
   - pairs_per_section <= 0 is the plain order;
-  - the coordinates of a launch place (band_block_coord(pps, idx), on which band_block_coord(pps) is
-    built) are those the CTA at that place gets;
   - the Hopper forward's tile order (lead_section_order) is a bijection onto (rank, pair) that takes
     the lead pairs first, group by group and rank by rank in a group, then the other pairs in sections;
   - the section sizes the launchers compute are powers of two that fit the L2 share (or 1), never
@@ -57,10 +55,6 @@ static void check_grid(int blocks, int heads, int batch, int pps) {
       for (int x = 0; x < blocks; ++x) {
         blockIdx = dim3{unsigned(x), unsigned(y), unsigned(z)};
         BlockCoord const c = band_block_coord(pps);
-        BlockCoord const at = band_block_coord(pps, linear_block_idx());
-        check(at.block == c.block && at.bidh == c.bidh && at.bidb == c.bidb,
-              "the coordinates of launch place %d differ from its CTA's: grid %d %d %d pps %d", linear_block_idx(),
-              blocks, heads, batch, pps);
         check(c.block >= 0 && c.block < blocks && c.bidh >= 0 && c.bidh < heads && c.bidb >= 0 && c.bidb < batch,
               "out of range: grid %d %d %d pps %d", blocks, heads, batch, pps);
         seen.insert({c.block, c.bidh, c.bidb});
