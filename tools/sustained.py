@@ -7,7 +7,8 @@ power settle per process). Modes:
   eager  calls from Python for ~SECS seconds between CUDA events (what a user's loop sees);
   graph  a CUDA graph of 20 forward calls replayed (GPU time only: no host path in the figure; the
          backward through autograd does not capture here, for any implementation).
---impl cudnn times PyTorch SDPA's cuDNN backend on the same shapes instead.
+--impl cudnn / fa2 times PyTorch SDPA's cuDNN / flash (FlashAttention-2) backend on the same shapes
+instead; --path ampere runs flashtile's Ampere path (on sm_90 too).
 
   python tools/sustained.py LABEL --hdims 64,128 --seqlens 512,2048 --causal both [--bwd] [--mode graph]
 """
@@ -19,16 +20,18 @@ import torch
 TOKENS, HIDDEN = 16384, 2048
 
 
-def make_call(impl, q, k, v, causal, bwd, dout):
+def make_call(impl, q, k, v, causal, bwd, dout, path="auto"):
     if impl == "flashtile":
         import flashtile
 
-        fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
+        fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=causal, path=path)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        backend = SDPBackend.CUDNN_ATTENTION if impl == "cudnn" else SDPBackend.FLASH_ATTENTION
+
         def fwd():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
     if not bwd:
@@ -90,7 +93,8 @@ def main(argv=None):
     p.add_argument("--bwd", action="store_true", help="time the backward pass (2.5x the forward's FLOPs)")
     p.add_argument("--mode", choices=("eager", "graph"), default="eager")
     p.add_argument("--secs", type=float, default=0.3, help="eager: seconds of calls per shape")
-    p.add_argument("--impl", choices=("flashtile", "cudnn"), default="flashtile")
+    p.add_argument("--impl", choices=("flashtile", "cudnn", "fa2"), default="flashtile")
+    p.add_argument("--path", choices=("auto", "ampere", "hopper"), default="auto", help="flashtile's kernel path")
     args = p.parse_args(argv)
     if args.bwd and args.mode == "graph":
         p.error("--mode graph times the forward only")
@@ -102,7 +106,7 @@ def main(argv=None):
                 q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
                 for t in (q, k, v):
                     t.requires_grad_(args.bwd)
-                f = make_call(args.impl, q, k, v, causal, args.bwd, dout)
+                f = make_call(args.impl, q, k, v, causal, args.bwd, dout, args.path)
                 ms = time_eager(f, args.secs) if args.mode == "eager" else time_graph(f)
                 flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if args.bwd else 1.0)
                 print(f"{args.label} d{d} {'c' if causal else 'nc'} {s} {'bwd' if args.bwd else 'fwd'}: "
