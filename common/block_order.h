@@ -112,11 +112,14 @@ CUTE_HOST_DEVICE void lead_section_order(int idx, int num_blocks, int num_pairs,
 }
 
 // The coordinates of this CTA; block is its rank in launch order (0 first: the caller maps it to the
-// longest block). pairs_per_section > 0: the section order; <= 0: the plain order.
+// longest block). pairs_per_section > 0: the section order; <= 0: the plain order. The statement order
+// is the measured kernels': with idx computed before the grid dimensions, ptxas scheduled the Ampere-path
+// d 64 backward (249 registers) differently and it ran 3-4% slower without a mask (benchmarks/NOTES.md,
+// session 56).
 CUTE_DEVICE BlockCoord band_block_coord(int pairs_per_section) {
   if (pairs_per_section <= 0) { return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}; }
-  int const idx = int(blockIdx.x) + int(gridDim.x) * (int(blockIdx.y) + int(gridDim.y) * int(blockIdx.z));
   int const num_blocks = gridDim.x, num_heads = gridDim.y, num_pairs = gridDim.y * gridDim.z;
+  int const idx = int(blockIdx.x) + num_blocks * (int(blockIdx.y) + num_heads * int(blockIdx.z));
   int block, pair;
   section_order(idx, num_blocks, num_pairs, pairs_per_section, block, pair);
   return {block, pair % num_heads, pair / num_heads};
