@@ -135,7 +135,10 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   // of one KV head share its K/V. Short keys take half the share: at seqlen 512 a 32 MB section spans
   // four waves of tiles whose Q/O traffic evicts the K/V before its reuse (ncu: 16-30% more DRAM reads
   // than Q + K + V); 16 MB measured +12% at d 128 causal 512 and +8% at d 64 causal 1k, but -2% at 16k.
-  int64_t const l2_section_bytes = (p.seqlen_k <= 1024 ? 16ll : 32ll) << 20;
+  // FLASHTILE_FWD_SECTION_MB (common/block_order.h) overrides the share for measurement; 0: the plain
+  // order (each pair's tiles in turn, longest first, no lead groups).
+  int64_t const l2_section_bytes = FLASHTILE_FWD_SECTION_MB >= 0 ? int64_t(FLASHTILE_FWD_SECTION_MB) << 20
+                                                                 : (p.seqlen_k <= 1024 ? 16ll : 32ll) << 20;
   int64_t const kv_bytes = int64_t(p.seqlen_k) * (kHeadDim + kHeadDimV) * int64_t(sizeof(Element));
   int64_t const section = l2_section_bytes / std::max<int64_t>(kv_bytes, 1) * (kp.pack > 1 ? 1 : params.h_h_k_ratio);
   int const num_pairs = sched_heads * p.batch;
@@ -147,7 +150,7 @@ LaunchStatus launch_fwd(FwdParams const& params, int pack, cudaStream_t stream) 
   // keeps sections throughout.
   constexpr int kLeadKvHeads = FLASHTILE_FWD_LEAD_KV_HEADS >= 0 ? FLASHTILE_FWD_LEAD_KV_HEADS : (kHeadDim <= 128 ? 4 : 0);
   kp.lead_group = std::max(1, kLeadKvHeads * (kp.pack > 1 ? 1 : params.h_h_k_ratio));
-  kp.lead_pairs = kLeadKvHeads > 0 ? num_pairs - kp.heads_per_section : 0;
+  kp.lead_pairs = kLeadKvHeads > 0 && l2_section_bytes > 0 ? num_pairs - kp.heads_per_section : 0;
   int const units = kp.num_m_blocks / kClusterM * sched_heads * p.batch;
   // CTAs (clusters) the grid may have: as many clusters as can be resident at once (an SM left over in
   // a GPC of odd size stays idle).
