@@ -12,7 +12,8 @@
 // 16-byte vectors along the head dim, several rows per warp (PrePostLayout); rows past seqused_q get
 // D = 0, lse_log2 = +inf.
 // kPermuted: the accumulator is in DqAccumPerm<kHeadDim>'s order (the Ampere path, the Hopper path
-// under dq_red), else row-major.
+// under dq_red); kFragCols > 0: in DqAccumFrag<kHeadDim, kFragCols>'s (the Hopper path under dq_frag);
+// else row-major.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -112,8 +113,62 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
   }
 }
 
+// Postprocess of one 64-row block of a DqAccumFrag accumulator (one CTA of 128 threads; 64 * d contiguous
+// floats). The block goes to shared memory as its warpgroups wrote it (16-byte loads, 512 contiguous bytes
+// per warp; from L2: under the counted start other SMs' reductions completed it), each 512-float group of
+// register order padded by 4 floats; then a thread takes rows r and r + 8 of 8 columns: DqAccumFrag puts
+// them in 4 consecutive 16-byte entries (columns 2 q, 2 q + 1 of both rows in entry q), and the 8 threads
+// of a quarter warp, 8 consecutive column groups of one row pair, read them from all 32 banks.
+template <class Element, int kHeadDim, int kFragCols>
+CUTE_DEVICE void dq_frag_block_out(float const* acc_ptr, Element* dq_ptr, int row0, int rows, int head_dim,
+                                   int64_t dq_row_stride, float scale) {
+  using Frag = DqAccumFrag<kHeadDim, kFragCols>;
+  static_assert(Frag::kRows == kPrePostRowsPerBlock && kPrePostThreads == 128);
+  constexpr int kFloats = Frag::kRows * kHeadDim;
+  constexpr int kLoads = kFloats / 4 / kPrePostThreads;
+  constexpr int kColGroups = kHeadDim / 8, kItems = Frag::kRows / 2 * kColGroups;
+  static_assert(kFloats % (4 * kPrePostThreads) == 0 && kItems % kPrePostThreads == 0);
+  auto padded = [](int i) { return i + 4 * (i / 512); };
+  __shared__ alignas(16) float blk[padded(kFloats)];
+  if (row0 >= rows) { return; }  // past a packed sequence's rows (and its accumulator block)
+  int const t = threadIdx.x;
+  float4 const* const src = reinterpret_cast<float4 const*>(acc_ptr + Frag::offset(row0, 0));
+  float4 v[kLoads];
+  CUTE_UNROLL
+  for (int i = 0; i < kLoads; ++i) { v[i] = __ldcg(src + i * kPrePostThreads + t); }
+  CUTE_UNROLL
+  for (int i = 0; i < kLoads; ++i) { *reinterpret_cast<float4*>(&blk[padded(4 * (i * kPrePostThreads + t))]) = v[i]; }
+  __syncthreads();
+  cutlass::NumericArrayConverter<Element, float, 8> convert;
+  CUTE_UNROLL
+  for (int it = 0; it < kItems / kPrePostThreads; ++it) {
+    int const item = it * kPrePostThreads + t;
+    int const col = 8 * (item % kColGroups), pair = item / kColGroups;
+    int const r = 16 * (pair / 8) + pair % 8;
+    if (col >= head_dim) { continue; }
+    float const* const e = &blk[padded(int(Frag::offset(r, col)))];
+    cutlass::Array<float, 8> lo, hi;
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      float4 const f = *reinterpret_cast<float4 const*>(e + 4 * q);
+      lo[2 * q] = f.x * scale, lo[2 * q + 1] = f.y * scale, hi[2 * q] = f.z * scale, hi[2 * q + 1] = f.w * scale;
+    }
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const row = row0 + r + 8 * h;
+      if (row < rows) {
+        cutlass::Array<Element, 8> const out = convert(h == 0 ? lo : hi);
+        uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * dq_row_stride + col),
+                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                     : "memory");
+      }
+    }
+  }
+}
+
 // Grid: (ceil(seqlen_q / kPrePostRowsPerBlock), num_heads, batch). kHeadDim: the bucket of head_dim.
-template <class Element, int kHeadDim, bool kPermuted>
+template <class Element, int kHeadDim, bool kPermuted, int kFragCols>
 __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid_constant__ BwdParams const params) {
   FtFwdParams const& p = params.fwd.abi;
   FtBwdParams const& b = params.abi;
@@ -143,33 +198,38 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
     pdl_wait_prior_grids();
   }
 
-  CUTE_UNROLL
-  for (int g = 0; g < L::kPasses; g += L::kGroup) {
-    cutlass::Array<float, kVec> acc[L::kGroup];
+  if constexpr (kFragCols > 0) {
+    dq_frag_block_out<Element, kHeadDim, kFragCols>(acc_ptr, dq_ptr, row0, seq.seqlen_q_alloc, p.head_dim,
+                                                    b.dq_row_stride, scale);
+  } else {
     CUTE_UNROLL
-    for (int j = 0; j < L::kGroup; ++j) {
-      int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
-      if (col_in && row < seq.seqlen_q_alloc) {
-        int src_row = row, src_col = col;
-        if constexpr (kPermuted) { DqAccumPerm<kHeadDim>::map(row, col, src_row, src_col); }
-        float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + int64_t(src_row) * b.dq_accum_row_stride + src_col);
-        // From L2: under the counted start these rows were completed by other SMs' reductions.
-        *reinterpret_cast<float4*>(&acc[j][0]) = __ldcg(src);
-        *reinterpret_cast<float4*>(&acc[j][4]) = __ldcg(src + 1);
+    for (int g = 0; g < L::kPasses; g += L::kGroup) {
+      cutlass::Array<float, kVec> acc[L::kGroup];
+      CUTE_UNROLL
+      for (int j = 0; j < L::kGroup; ++j) {
+        int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+        if (col_in && row < seq.seqlen_q_alloc) {
+          int src_row = row, src_col = col;
+          if constexpr (kPermuted) { DqAccumPerm<kHeadDim>::map(row, col, src_row, src_col); }
+          float4 const* src = reinterpret_cast<float4 const*>(acc_ptr + int64_t(src_row) * b.dq_accum_row_stride + src_col);
+          // From L2: under the counted start these rows were completed by other SMs' reductions.
+          *reinterpret_cast<float4*>(&acc[j][0]) = __ldcg(src);
+          *reinterpret_cast<float4*>(&acc[j][4]) = __ldcg(src + 1);
+        }
       }
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < L::kGroup; ++j) {
-      int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
-      if (col_in && row < seq.seqlen_q_alloc) {
-        CUTE_UNROLL
-        for (int i = 0; i < kVec; ++i) { acc[j][i] *= scale; }
-        cutlass::Array<Element, kVec> const out = convert(acc[j]);
-        uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
-        // One 16-byte store (through a C++ store of the Array or of a uint4 it became four 4-byte ones).
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * b.dq_row_stride + col),
-                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-                     : "memory");
+      CUTE_UNROLL
+      for (int j = 0; j < L::kGroup; ++j) {
+        int const row = row0 + (g + j) * L::kRowsPerPass + sub_row;
+        if (col_in && row < seq.seqlen_q_alloc) {
+          CUTE_UNROLL
+          for (int i = 0; i < kVec; ++i) { acc[j][i] *= scale; }
+          cutlass::Array<Element, kVec> const out = convert(acc[j]);
+          uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
+          // One 16-byte store (through a C++ store of the Array or of a uint4 it became four 4-byte ones).
+          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * b.dq_row_stride + col),
+                       "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                       : "memory");
+        }
       }
     }
   }
@@ -221,9 +281,9 @@ LaunchStatus launch_bwd_preprocess(BwdParams const& params, cudaStream_t stream)
 
 // dependent: launched to start while the main kernel finishes (it has called pdl_launch_dependents);
 // each CTA then waits for its head's dq_done count, or for the whole main kernel when none is kept.
-template <class Element, int kHeadDim, bool kPermuted>
+template <class Element, int kHeadDim, bool kPermuted, int kFragCols = 0>
 LaunchStatus launch_bwd_postprocess(BwdParams const& params, cudaStream_t stream, bool dependent = false) {
-  auto kernel = bwd_postprocess_kernel<Element, kHeadDim, kPermuted>;
+  auto kernel = bwd_postprocess_kernel<Element, kHeadDim, kPermuted, kFragCols>;
   dim3 const grid = bwd_postprocess_grid(params.fwd.abi);
   if (dependent) {
     return LaunchStatus::cuda(launch_dependent(kernel, grid, dim3(kPrePostThreads), 0, stream, params),

@@ -1,7 +1,8 @@
-// Storage order of the fp32 dq accumulator that the backward kernels add into from registers
-// (DqAccumPerm: the Ampere path, and the Hopper path under HopperBwdTile::dq_red), shared with the
-// postprocess that reads it back; the vector reductions that add an accumulator fragment into it; the
-// deterministic mode's wait for a query block's turn.
+// Storage orders of the fp32 dq accumulator other than row-major, shared with the postprocess that
+// reads it back (DqAccumPerm: the backward kernels that add into it from registers, i.e. the Ampere
+// path and the Hopper path under HopperBwdTile::dq_red; DqAccumFrag: the Hopper path under dq_frag);
+// the vector reductions that add an accumulator fragment into it; the deterministic mode's wait for a
+// query block's turn.
 #pragma once
 
 #include <cute/config.hpp>
@@ -29,6 +30,27 @@ struct DqAccumPerm {
     unsigned const lin = (uc >> 3) * 64u + (ur & 7u) * 8u + (uc & 7u);
     sr = int((ur & ~7u) + lin / unsigned(kD));
     sc = int(lin % unsigned(kD));
+  }
+};
+
+// Storage order of the fp32 dq accumulator of the Hopper backward under HopperBwdTile::dq_frag, shared
+// with the postprocess. Each 64-row block of a sequence (rows from its first; kD * 64 contiguous floats)
+// holds its kD / kCols column parts one after the other, each part (64 x kCols: one consumer
+// warpgroup's m64 WGMMA accumulator) in register order: thread t's entries 4 g ... 4 g + 3 at
+// 512 g + 4 t. The warpgroup then stages its accumulator with 16-byte stores (512 contiguous bytes per
+// warp) and the part leaves shared memory as one contiguous bulk reduction. WGMMA's fp32 accumulator
+// puts entry i of thread t = 32 w + l at row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) +
+// 2 (l % 4) + i % 2, so entries 4 g ... 4 g + 3 are (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1).
+template <int kD, int kCols>
+struct DqAccumFrag {
+  static constexpr int kRows = 64;
+  static_assert(kD % kCols == 0 && kCols % 8 == 0);
+  // Element offset of (row, col) of a sequence's accumulator.
+  CUTE_HOST_DEVICE static int64_t offset(int r, int c) {
+    int const rr = r % kRows, cc = c % kCols;
+    int const t = 32 * (rr / 16) + 4 * (rr % 8) + (cc % 8) / 2;
+    int const e = cc % 2 + 2 * ((rr % 16) / 8);
+    return int64_t(r / kRows) * (kRows * kD) + (c / kCols) * (kRows * kCols) + (cc / 8) * 512 + 4 * t + e;
   }
 };
 

@@ -512,6 +512,14 @@ struct HopperBwdTile {
   // sustained, 1.07-1.16x of cuDNN against 1.03-1.09x; d = 128 in the lag order with turns stays 4-5%
   // below its dq_overlap order (benchmarks/NOTES.md, session 42).
   bool pingpong = false;
+  // block_n = 128 (S^T/dP^T schedule) only: each consumer warpgroup stages its dQ part in register order
+  // (16-byte stores, 512 contiguous bytes per warp) and the dQ writer adds it with one 1-D bulk reduction
+  // into an accumulator kept in that order (common/dq_accum_perm.h, DqAccumFrag), instead of a swizzled
+  // row-major tile (8-byte stores) and a TMA tensor reduce-add into a row-major accumulator. On wherever
+  // block_n = 128. Sustained backward on an H100 against the row-major path: d 128 non-causal +0 / +1.7 /
+  // +3.0 / +0.5% at 2k / 4k / 8k / 16k, causal -0.3 to +1.0%; d 64 causal +3% (benchmarks/NOTES.md,
+  // session 64).
+  bool dq_frag = false;
 };
 
 // Build-time override of the Hopper backward tile, for measuring its gain (-1 = policy):
@@ -536,6 +544,11 @@ struct HopperBwdTile {
 #define FLASHTILE_BWD_PINGPONG -1
 #endif
 
+// FLASHTILE_BWD_DQ_FRAG: HopperBwdTile::dq_frag (0 off, 1 on; block_n = 128 only).
+#ifndef FLASHTILE_BWD_DQ_FRAG
+#define FLASHTILE_BWD_DQ_FRAG -1
+#endif
+
 // d = 64 keeps dq_overlap off: with it, block_m 128 spilled 20 B under band mask + softcap. It takes
 // dq_lag instead: +1-2% causal, +-1% non-causal on an H100 at 1k-16k (four rounds); at d = 128 dq_lag
 // measured 3-7% slower than dq_overlap (benchmarks/NOTES.md, session 22).
@@ -549,6 +562,7 @@ constexpr HopperBwdTile hopper_bwd_tile(int head_dim, int head_dim_v) {
   if (FLASHTILE_BWD_DQ_RED >= 0) { t.dq_red = FLASHTILE_BWD_DQ_RED == 1; }
   if (t.block_n == 128 && FLASHTILE_BWD_DQ_LAG >= 0) { t.dq_lag = FLASHTILE_BWD_DQ_LAG == 1; }
   if (FLASHTILE_BWD_PINGPONG >= 0) { t.pingpong = FLASHTILE_BWD_PINGPONG == 1; }
+  if (t.block_n == 128) { t.dq_frag = FLASHTILE_BWD_DQ_FRAG != 0; }
   if (FLASHTILE_BWD_QDO_STAGES > 0) { t.q_stages = t.do_stages = FLASHTILE_BWD_QDO_STAGES; }
   // Without the dQ staging tile (64 KB at d = 256) a second Q and dO stage fit.
   if (t.dq_red && d > 192) { t.q_stages = t.do_stages = 2; }

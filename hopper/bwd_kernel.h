@@ -8,7 +8,8 @@
 //   warpgroup 0, warp 0  producer: K and V once (one transaction barrier), then Q and dO of each step
 //                        through two PipelineTmaAsync pipelines (kQStages / kdOStages deep).
 //   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
-//                        the dq accumulator with one TMA reduce-add (in descending KV-block order behind a
+//                        the dq accumulator with one TMA reduce-add (under kdQFrag one 1-D bulk
+//                        reduction per part; in descending KV-block order behind a
 //                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
 //                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
@@ -109,6 +110,14 @@ struct BwdKernelParams {
 // Waits for full completion (not only the shared-memory read) of this thread's bulk async groups.
 CUTE_DEVICE void bulk_wait_all_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Adds bytes of contiguous fp32 shared memory into global memory with one 1-D bulk reduction, part of the
+// issuing thread's bulk group (as the TMA reduce-adds are).
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),
+               "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+}
+
 static_assert(int(BwdNamedBarrier::kdQTurn) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
@@ -203,7 +212,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(kp.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(kp.tma_v.get_tma_descriptor());
-    if constexpr (!Traits::kdQRed) { cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor()); }
+    if constexpr (!Traits::kdQRed && !Traits::kdQFrag) { cute::prefetch_tma_descriptor(kp.tma_dq.get_tma_descriptor()); }
   }
   bool const producer = warp_group_idx == 0;
   PipelineQ pipeline_q(ss.pipeline_q, tma_pipeline_params<PipelineQ>(producer, kNMmaThreads, Traits::kTmaBytesQ),
@@ -280,6 +289,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           return cta_tma.partition_D(
               local_tile(gdQ, ShapePart{}, Traits::kdQRowParts ? make_coord(part, 0) : make_coord(0, part)));
         };
+        // kdQFrag: the part's block of the DqAccumFrag accumulator, 64 rows from the step's first.
+        auto add_part = [&](int part) {
+          if constexpr (Traits::kdQFrag) {
+            using Frag = DqAccumFrag<kHeadDim, Traits::kdQFragCols>;
+            float* const g = b.dq_accum + seq.dq_accum_offset(p, bidb, b.dq_accum_batch_stride, b.dq_accum_row_stride) +
+                             st.bidh * b.dq_accum_head_stride +
+                             Frag::offset(st.m_block * kBlockM + (Traits::kdQRowParts ? part * 64 : 0),
+                                          Traits::kdQRowParts ? 0 : part * Traits::kdQPartCols);
+            bulk_reduce_add_f32(g, ss.smem_dq.data() + part * size(ShapePart{}), int(size(ShapePart{}) * sizeof(float)));
+          } else {
+            copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
+          }
+        };
         int* semaphore = nullptr;
         if (b.deterministic) {
           int expected;
@@ -293,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int part = 0; part < kdQParts; ++part) {
           cutlass::arch::NamedBarrier::sync(kdQSyncThreads, bwd_dq_full_barrier(part));
           if (lane == 0) {
-            copy(kp.tma_dq, tdQsdQ(part), tdQgdQ(part));
+            add_part(part);
             tma_store_arrive();
           }
         }
@@ -395,6 +417,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }();
   auto stage_dq = [&](auto const& acc_dq, int pass) {
+    if constexpr (Traits::kdQFrag) {  // register order (DqAccumFrag): entries 4 g ... 4 g + 3 at 512 g + 4 t
+      constexpr int kRegs = decltype(size(acc_dq))::value;
+      static_assert(kRegs * 128 == Traits::kdQPartRows * Traits::kdQPartCols && kRegs % 4 == 0);
+      int const t = thread_idx_reread() - 128;
+      float* const base = ss.smem_dq.data() + (t / 128) * (kRegs * 128) + (t % 128) * 4;
+      CUTE_UNROLL
+      for (int g = 0; g < kRegs / 4; ++g) {
+        *reinterpret_cast<float4*>(base + g * 512) =
+            make_float4(acc_dq(4 * g), acc_dq(4 * g + 1), acc_dq(4 * g + 2), acc_dq(4 * g + 3));
+      }
+      return;
+    }
     auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
     copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
          smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));

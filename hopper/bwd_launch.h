@@ -51,7 +51,7 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
                            typename Traits::SmemLayoutK{}, Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
   kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, in(p.v, kp.shape_v, p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                            typename Traits::SmemLayoutV{}, Shape<Int<Traits::kBlockN>, Int<kHeadDimV>>{}, _1{});
-  if constexpr (!Traits::kdQRed) {
+  if constexpr (!Traits::kdQRed && !Traits::kdQFrag) {
     kp.tma_dq = make_tma_copy(SM90_TMA_REDUCE_ADD{},
                               make_gmem_tensor(b.dq_accum, kp.shape_dq_accum, b.dq_accum_row_stride, b.dq_accum_head_stride,
                                                b.dq_accum_batch_stride),
@@ -73,8 +73,10 @@ LaunchStatus run_bwd(BwdParams const& params, cudaStream_t stream) {
       !s.ok()) {
     return s;
   }
-  // The accumulator is in DqAccumPerm order when the kernel adds into it from registers, else row-major.
-  return launch_bwd_postprocess<Element, kHeadDim, Traits::kdQRed>(kp.bwd, stream, /*dependent=*/true);
+  // The accumulator is in DqAccumPerm order when the kernel adds into it from registers, in DqAccumFrag
+  // order under kdQFrag, else row-major.
+  return launch_bwd_postprocess<Element, kHeadDim, Traits::kdQRed, Traits::kdQFragCols>(kp.bwd, stream,
+                                                                                        /*dependent=*/true);
 }
 
 }  // namespace flashtile::hopper

@@ -128,6 +128,12 @@ struct BwdTraits {
   static constexpr int kdQPartRows = kdQRowParts ? kBlockM / kdQParts : kBlockM;
   static constexpr int kdQPartCols = kdQRowParts ? kHeadDim : kHeadDim / kdQParts;
   static_assert(kdQParts <= 2 && kdQPartCols % 16 == 0);
+  // Each warpgroup's part staged in register order and added by one bulk reduction into a DqAccumFrag
+  // accumulator (HopperBwdTile::dq_frag): one column pass, parts of one warpgroup's 64 rows.
+  static constexpr bool kdQFrag = kTile.dq_frag && kdQPerWg && kdQPasses == 1 && !kdQRed;
+  static_assert(!kdQFrag || kdQPartRows == 64);
+  // The accumulator's order for the postprocess: DqAccumFrag's column part width, 0 for the others.
+  static constexpr int kdQFragCols = kdQFrag ? kdQPartCols : 0;
   static constexpr bool kdQSw128 = kdQPartCols % 32 == 0;
   using SmemAtomdQ = std::conditional_t<kdQSw128, GMMA::Layout_K_SW128_Atom<ElementAccum>,
                                         GMMA::Layout_K_SW64_Atom<ElementAccum>>;
@@ -148,12 +154,13 @@ struct BwdTraits {
   // perm(j), which puts a half-warp's rows in four distinct bank groups. The tile's rows in shared
   // and global memory keep their order. perm as bit strides (row bits 0, 1, 2, then the 8-row
   // groups); 128-byte: j -> 2 j0 + 4 j1 + j2, 64-byte: j -> j0 + 4 j1 + 2 j2 (its own inverse);
-  // the identity under kdQRed (nothing staged).
+  // the identity under kdQRed and kdQFrag (nothing staged by rows).
   using RowBits = Shape<_2, _2, _2, Int<kBlockM / 8>>;
-  using dQRowPerm = std::conditional_t<kdQRed, Layout<RowBits, Stride<_1, _2, _4, _8>>,
+  using dQRowPerm = std::conditional_t<kdQRed || kdQFrag, Layout<RowBits, Stride<_1, _2, _4, _8>>,
                                        std::conditional_t<kdQSw128, Layout<RowBits, Stride<_2, _4, _1, _8>>,
                                                           Layout<RowBits, Stride<_1, _4, _2, _8>>>>;
-  using dQRowPermInv = std::conditional_t<kdQSw128 && !kdQRed, Layout<RowBits, Stride<_4, _1, _2, _8>>, dQRowPerm>;
+  using dQRowPermInv =
+      std::conditional_t<kdQSw128 && !kdQRed && !kdQFrag, Layout<RowBits, Stride<_4, _1, _2, _8>>, dQRowPerm>;
 
   using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // also dK/dV staging
   using SmemCopyAtomdSt = Copy_Atom<SM90_U16x8_STSM_T, Element>;  // dS^T fragment -> dS (m, n) tile
