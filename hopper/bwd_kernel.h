@@ -9,9 +9,9 @@
 //                        through two PipelineTmaAsync pipelines (kQStages / kdOStages deep).
 //   warpgroup 0, warp 1  dQ writer: per step, waits for the staged fp32 dQ tile (kdQFull), adds it to
 //                        the dq accumulator with one TMA reduce-add (under kdQFrag one 1-D bulk
-//                        reduction per part; in descending KV-block order behind a
-//                        semaphore in deterministic mode) and frees the staging tile (kdQEmpty) once
-//                        the TMA has read it. Under kdQPerWg the same per consumer warpgroup's part,
+//                        reduction per part; in descending KV-block order behind a semaphore in
+//                        deterministic mode) and frees the staging tile (kdQEmpty) once the TMA has
+//                        read it. Under kdQPerWg the same per consumer warpgroup's part,
 //                        each with its own barrier pair (one warpgroup never waits for the other's dQ),
 //                        both parts of a step behind the step's one semaphore turn. After the walk,
 //                        once its adds have landed, counts the CTA into dq_done (the postprocess of a
