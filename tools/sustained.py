@@ -8,7 +8,9 @@ power settle per process). Modes:
   graph  a CUDA graph of 20 forward calls replayed (GPU time only: no host path in the figure; the
          backward through autograd does not capture here, for any implementation).
 --impl cudnn / fa2 times PyTorch SDPA's cuDNN / flash (FlashAttention-2) backend on the same shapes
-instead; --path ampere runs flashtile's Ampere path (on sm_90 too).
+instead; --path ampere runs flashtile's Ampere path (on sm_90 too). --causal band (flashtile only) runs
+the band-mask kernels on the non-causal work (window_size = (seqlen, seqlen): no key masked), which
+separates what the band kernels cost from what the causal work's shape costs.
 
   python tools/sustained.py LABEL --hdims 64,128 --seqlens 512,2048 --causal both [--bwd] [--mode graph]
 """
@@ -24,7 +26,11 @@ def make_call(impl, q, k, v, causal, bwd, dout, path="auto"):
     if impl == "flashtile":
         import flashtile
 
-        fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=causal, path=path)
+        if causal == "band":
+            window = (q.shape[1], q.shape[1])
+            fwd = lambda: flashtile.flash_attn_func(q, k, v, window_size=window, path=path)
+        else:
+            fwd = lambda: flashtile.flash_attn_func(q, k, v, causal=causal, path=path)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -89,7 +95,8 @@ def main(argv=None):
     p.add_argument("label", help="printed at the start of each line (the build's name)")
     p.add_argument("--hdims", type=ints, default=[64, 128, 256])
     p.add_argument("--seqlens", type=ints, default=[512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--causal", choices=("0", "1", "both", "band"), default="both",
+                   help="band: the band-mask kernels over all keys (flashtile only)")
     p.add_argument("--bwd", action="store_true", help="time the backward pass (2.5x the forward's FLOPs)")
     p.add_argument("--mode", choices=("eager", "graph"), default="eager")
     p.add_argument("--secs", type=float, default=0.3, help="eager: seconds of calls per shape")
@@ -98,7 +105,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.bwd and args.mode == "graph":
         p.error("--mode graph times the forward only")
-    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    if args.causal == "band" and args.impl != "flashtile":
+        p.error("--causal band runs flashtile's band-mask kernels only")
+    causals = {"0": [False], "1": [True], "both": [False, True], "band": ["band"]}[args.causal]
     for d in args.hdims:
         for causal in causals:
             for s in args.seqlens:
@@ -108,8 +117,9 @@ def main(argv=None):
                     t.requires_grad_(args.bwd)
                 f = make_call(args.impl, q, k, v, causal, args.bwd, dout, args.path)
                 ms = time_eager(f, args.secs) if args.mode == "eager" else time_graph(f)
-                flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if args.bwd else 1.0)
-                print(f"{args.label} d{d} {'c' if causal else 'nc'} {s} {'bwd' if args.bwd else 'fwd'}: "
+                flops = 4 * b * h * s * s * d * (0.5 if causal is True else 1.0) * (2.5 if args.bwd else 1.0)
+                mask = {True: "c", False: "nc", "band": "band"}[causal]
+                print(f"{args.label} d{d} {mask} {s} {'bwd' if args.bwd else 'fwd'}: "
                       f"{flops / ms / 1e9:.1f} TFLOP/s ({ms * 1e3:.1f} us)", flush=True)
     return 0
 
