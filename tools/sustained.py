@@ -8,7 +8,8 @@ power settle per process). Modes:
   graph  a CUDA graph of 20 forward calls replayed (GPU time only: no host path in the figure; the
          backward through autograd does not capture here, for any implementation).
 --impl cudnn / fa2 times PyTorch SDPA's cuDNN / flash (FlashAttention-2) backend on the same shapes
-instead; --path ampere runs flashtile's Ampere path (on sm_90 too). --causal band (flashtile only) runs
+instead, --impl fa3 the flash-attn3-jax anchor (JAX runs on its own stream: timed from the host, N calls
+then block_until_ready, as the benchmark times it); --path ampere runs flashtile's Ampere path (on sm_90 too). --causal band (flashtile only) runs
 the band-mask kernels on the non-causal work (window_size = (seqlen, seqlen): no key masked), which
 separates what the band kernels cost from what the causal work's shape costs.
 
@@ -16,13 +17,33 @@ separates what the band kernels cost from what the causal work's shape costs.
 """
 import argparse
 import sys
+import time
 
 import torch
 
 TOKENS, HIDDEN = 16384, 2048
 
 
+def make_fa3_call(q, k, v, causal, bwd, dout):
+    """A callable returning FA3's (JAX) output; causal is a bool."""
+    import jax
+    from flashtile.bench import anchors
+
+    imp = anchors.Fa3JaxImpl()
+    if imp.unavailable() or imp._load():
+        raise SystemExit(f"fa3: {imp.unavailable() or imp._load()}")
+    jq, jk, jv, jdo = (imp.to_jax(t)[0] for t in (q, k, v, dout))
+    fwd = jax.jit(lambda q, k, v: anchors._fa3_fwd(q, k, v, causal))
+    if not bwd:
+        return lambda: fwd(jq, jk, jv)
+    o, lse = fwd(jq, jk, jv)
+    grad = jax.jit(lambda do, q, k, v, o, lse: anchors._fa3_bwd(do, q, k, v, o, lse, causal))
+    return lambda: grad(jdo, jq, jk, jv, o, lse)
+
+
 def make_call(impl, q, k, v, causal, bwd, dout, path="auto"):
+    if impl == "fa3":
+        return make_fa3_call(q, k, v, causal, bwd, dout)
     if impl == "flashtile":
         import flashtile
 
@@ -64,6 +85,23 @@ def time_eager(f, secs):
     return e0.elapsed_time(e1) / n
 
 
+def time_host(f, secs):
+    """Milliseconds per call of a JAX callable: calls for ~secs seconds, then block_until_ready."""
+    import jax
+
+    for _ in range(5):
+        r = f()
+    jax.block_until_ready(r)
+    t0 = time.perf_counter()
+    jax.block_until_ready(f())
+    n = max(10, int(secs / max(time.perf_counter() - t0, 1e-6)))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        r = f()
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
 def time_graph(f, calls=20, replays=20):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -100,11 +138,13 @@ def main(argv=None):
     p.add_argument("--bwd", action="store_true", help="time the backward pass (2.5x the forward's FLOPs)")
     p.add_argument("--mode", choices=("eager", "graph"), default="eager")
     p.add_argument("--secs", type=float, default=0.3, help="eager: seconds of calls per shape")
-    p.add_argument("--impl", choices=("flashtile", "cudnn", "fa2"), default="flashtile")
+    p.add_argument("--impl", choices=("flashtile", "cudnn", "fa2", "fa3"), default="flashtile")
     p.add_argument("--path", choices=("auto", "ampere", "hopper"), default="auto", help="flashtile's kernel path")
     args = p.parse_args(argv)
     if args.bwd and args.mode == "graph":
         p.error("--mode graph times the forward only")
+    if args.impl == "fa3" and args.mode == "graph":
+        p.error("--impl fa3 is timed from the host (eager mode)")
     if args.causal == "band" and args.impl != "flashtile":
         p.error("--causal band runs flashtile's band-mask kernels only")
     causals = {"0": [False], "1": [True], "both": [False, True], "band": ["band"]}[args.causal]
@@ -116,7 +156,10 @@ def main(argv=None):
                 for t in (q, k, v):
                     t.requires_grad_(args.bwd)
                 f = make_call(args.impl, q, k, v, causal, args.bwd, dout, args.path)
-                ms = time_eager(f, args.secs) if args.mode == "eager" else time_graph(f)
+                if args.impl == "fa3":
+                    ms = time_host(f, args.secs)
+                else:
+                    ms = time_eager(f, args.secs) if args.mode == "eager" else time_graph(f)
                 flops = 4 * b * h * s * s * d * (0.5 if causal is True else 1.0) * (2.5 if args.bwd else 1.0)
                 mask = {True: "c", False: "nc", "band": "band"}[causal]
                 print(f"{args.label} d{d} {mask} {s} {'bwd' if args.bwd else 'fwd'}: "
