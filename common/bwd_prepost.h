@@ -113,6 +113,14 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_preprocess_kernel(__grid_
   }
 }
 
+// One 16-byte store of 8 converted dq elements (through a C++ store of the Array or of a uint4 it became
+// four 4-byte ones).
+template <class Element>
+CUTE_DEVICE void store_dq_vec8(Element* ptr, cutlass::Array<Element, 8> const& out) {
+  uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+}
+
 // Postprocess of one 64-row block of a DqAccumFrag accumulator (one CTA of 128 threads; 64 * d contiguous
 // floats). The block goes to shared memory as its warpgroups wrote it (16-byte loads, 512 contiguous bytes
 // per warp; from L2: under the counted start other SMs' reductions completed it), each 512-float group of
@@ -156,13 +164,7 @@ CUTE_DEVICE void dq_frag_block_out(float const* acc_ptr, Element* dq_ptr, int ro
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       int const row = row0 + r + 8 * h;
-      if (row < rows) {
-        cutlass::Array<Element, 8> const out = convert(h == 0 ? lo : hi);
-        uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
-        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * dq_row_stride + col),
-                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-                     : "memory");
-      }
+      if (row < rows) { store_dq_vec8(dq_ptr + int64_t(row) * dq_row_stride + col, convert(h == 0 ? lo : hi)); }
     }
   }
 }
@@ -223,12 +225,7 @@ __global__ void __launch_bounds__(kPrePostThreads) bwd_postprocess_kernel(__grid
         if (col_in && row < seq.seqlen_q_alloc) {
           CUTE_UNROLL
           for (int i = 0; i < kVec; ++i) { acc[j][i] *= scale; }
-          cutlass::Array<Element, kVec> const out = convert(acc[j]);
-          uint32_t const* w = reinterpret_cast<uint32_t const*>(&out);
-          // One 16-byte store (through a C++ store of the Array or of a uint4 it became four 4-byte ones).
-          asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dq_ptr + int64_t(row) * b.dq_row_stride + col),
-                       "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-                       : "memory");
+          store_dq_vec8(dq_ptr + int64_t(row) * b.dq_row_stride + col, convert(acc[j]));
         }
       }
     }

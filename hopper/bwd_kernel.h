@@ -427,11 +427,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         *reinterpret_cast<float4*>(base + g * 512) =
             make_float4(acc_dq(4 * g), acc_dq(4 * g + 1), acc_dq(4 * g + 2), acc_dq(4 * g + 3));
       }
-      return;
+    } else {
+      auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
+      copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
+           smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
     }
-    auto smem_thr_dq = smem_copy_dq.get_thread_slice(thread_idx_reread() - 128);  // addresses not held across the walk
-    copy(smem_copy_dq, smem_thr_dq.retile_S(acc_dq),
-         smem_thr_dq.partition_D(local_tile(sdQ_stage, TileShapedQ{}, make_coord(_0{}, pass))));
   };
   // This thread's part of the staging tile (its warpgroup's under kdQPerWg) and the writer handshake.
   int const dq_part = kdQParts == 1 ? 0 : thread_idx / 128;

@@ -9,9 +9,10 @@ power settle per process). Modes:
          backward through autograd does not capture here, for any implementation).
 --impl cudnn / fa2 times PyTorch SDPA's cuDNN / flash (FlashAttention-2) backend on the same shapes
 instead, --impl fa3 the flash-attn3-jax anchor (JAX runs on its own stream: timed from the host, N calls
-then block_until_ready, as the benchmark times it); --path ampere runs flashtile's Ampere path (on sm_90 too). --causal band (flashtile only) runs
-the band-mask kernels on the non-causal work (window_size = (seqlen, seqlen): no key masked), which
-separates what the band kernels cost from what the causal work's shape costs.
+then block_until_ready, as the benchmark times it); --path ampere runs flashtile's Ampere path (on
+sm_90 too). --causal band (flashtile only) runs the band-mask kernels on the non-causal work
+(window_size = (seqlen, seqlen): no key masked), which separates what the band kernels cost from what
+the causal work's shape costs.
 
   python tools/sustained.py LABEL --hdims 64,128 --seqlens 512,2048 --causal both [--bwd] [--mode graph]
 """
@@ -30,8 +31,9 @@ def make_fa3_call(q, k, v, causal, bwd, dout):
     from flashtile.bench import anchors
 
     imp = anchors.Fa3JaxImpl()
-    if imp.unavailable() or imp._load():
-        raise SystemExit(f"fa3: {imp.unavailable() or imp._load()}")
+    reason = imp.unavailable() or imp._load()
+    if reason:
+        raise SystemExit(f"fa3: {reason}")
     jq, jk, jv, jdo = (imp.to_jax(t)[0] for t in (q, k, v, dout))
     fwd = jax.jit(lambda q, k, v: anchors._fa3_fwd(q, k, v, causal))
     if not bwd:
@@ -86,20 +88,17 @@ def time_eager(f, secs):
 
 
 def time_host(f, secs):
-    """Milliseconds per call of a JAX callable: calls for ~secs seconds, then block_until_ready."""
+    """Milliseconds per call of a JAX callable: one loop of ~secs seconds of calls, timed as the benchmark
+    times the FA3 anchor (anchors.jax_median)."""
     import jax
+    from flashtile.bench import anchors
 
-    for _ in range(5):
-        r = f()
-    jax.block_until_ready(r)
+    for _ in range(4):
+        jax.block_until_ready(f())
     t0 = time.perf_counter()
     jax.block_until_ready(f())
     n = max(10, int(secs / max(time.perf_counter() - t0, 1e-6)))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        r = f()
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t0) * 1e3 / n
+    return anchors.jax_median(f, iters=n, repeats=1)
 
 
 def time_graph(f, calls=20, replays=20):
